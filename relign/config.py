@@ -1,0 +1,314 @@
+"""Shared config pieces and the load / merge / override path.
+
+Typed dataclasses are the single source of truth. OmegaConf turns them into structured
+configs, so a YAML preset and ``key.sub=value`` overrides are type-checked against them.
+Each field is documented by the string literal right below it (an "attribute docstring");
+``field_docs`` reads those with ``ast`` so that ``relign <recipe> --help`` can list them.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import os
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf  # noqa: F401  (MISSING re-exported)
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+
+class ConfigError(ValueError):
+    """A config problem a user can fix; the CLI prints it as one line."""
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+@dataclass
+class LoRAConfig:
+    enabled: bool = False
+    """Train a LoRA adapter (peft) instead of the full model."""
+    r: int = 16
+    """LoRA rank."""
+    alpha: int = 32
+    """LoRA scaling alpha (the update is scaled by alpha / r)."""
+    dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names to adapt; 'all-linear' adapts every linear layer but the LM head."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Hugging Face causal LM: a local folder or a hub id."""
+    tokenizer: str = ""
+    """Tokenizer folder or hub id; empty means the same as model.path."""
+    dtype: str = "fp32"
+    """Parameter dtype: fp32 or bf16."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    trust_remote_code: bool = False
+    """Allow a hub model to run its own Python code. Off unless you trust the source."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel passed to transformers: sdpa, eager or flash_attention_2."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Training records: .json/.jsonl/.csv/.parquet/.arrow file, a datasets save_to_disk folder, or a hub id."""
+    split: str = "train"
+    """Split to read from a dataset folder or hub id."""
+    eval_path: str = ""
+    """Held-out records (same formats); empty means hold out data.eval_fraction of the training rows."""
+    eval_split: str = ""
+    """Split for eval_path (defaults to data.split)."""
+    eval_fraction: float = 0.0
+    """Fraction of training rows held out for eval when eval_path is empty."""
+    max_length: int = 1024
+    """Longest tokenized example (prompt + response) in tokens."""
+    truncation: str = "truncate"
+    """Too-long rows: 'truncate' keeps the prompt and cuts the response; 'drop' drops the row."""
+    skip_bad_rows: bool = False
+    """Skip and count malformed rows instead of stopping with an error."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt text."""
+    response_key: str = "response"
+    """Field holding the response text."""
+    messages_key: str = "messages"
+    """Field holding a chat as a list of {role, content}."""
+    chat_template: bool = False
+    """Also wrap prompt/response rows in the tokenizer's chat template (chat rows always are)."""
+    system_prompt: str = ""
+    """System message added to chat-templated rows that have none."""
+    max_rows: int = 0
+    """Read at most this many rows (0 = all)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.999
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    schedule: str = "cosine"
+    """Learning-rate schedule after warmup: cosine or constant."""
+    warmup_steps: int = 0
+    """Linear warmup steps (overrides warmup_ratio when > 0)."""
+    warmup_ratio: float = 0.0
+    """Warmup as a fraction of the total steps."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of the peak learning rate."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+
+
+@dataclass
+class LoggingConfig:
+    progress: bool = True
+    """Show a progress bar."""
+    tensorboard: bool = True
+    """Write TensorBoard events when tensorboard is installed."""
+    wandb: bool = False
+    """Log to Weights & Biases (pip install 'relign[wandb]')."""
+    wandb_project: str = "relign"
+    """Weights & Biases project."""
+    run_name: str = ""
+    """Display name of the run (defaults to the run directory name)."""
+
+
+@dataclass
+class CheckpointConfig:
+    save_every: int = 0
+    """Save a checkpoint every N optimizer steps (0 = only at the end)."""
+    keep_last: int = 0
+    """Keep only the newest K checkpoints (0 = keep all)."""
+    save_final: bool = True
+    """Save a checkpoint at the end of training."""
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Map field name -> the attribute docstring written under it in the class body."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, str):
+        return tp
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def describe_fields(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, doc) for every leaf field of a config dataclass."""
+    rows = []
+    docs = field_docs(cls)
+    hints = _resolved_hints(cls)
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = hints.get(f.name, f.type)
+        value = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(value):
+            rows.extend(describe_fields(type(value), key + "."))
+            continue
+        rows.append((key, _type_name(tp), repr(value), docs.get(f.name, "")))
+    return rows
+
+
+def _resolved_hints(cls: type) -> dict[str, Any]:
+    import typing
+
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # pragma: no cover - unresolvable forward refs
+        return {}
+
+
+def format_help(cls: type, command: str, summary: str) -> str:
+    rows = describe_fields(cls)
+    width = max(len(f"{k}: {t} = {d}") for k, t, d, _ in rows)
+    width = min(width, 60)
+    lines = [
+        f"usage: relign {command} [CONFIG.yaml] [key.sub=value ...]",
+        "",
+        summary,
+        "",
+        "Fields (set them in the YAML or as key.sub=value overrides):",
+    ]
+    for key, tp, default, doc in rows:
+        head = f"{key}: {tp} = {default}"
+        lines.append(f"  {head:<{width}}  {doc}" if len(head) <= width else f"  {head}\n  {'':<{width}}  {doc}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _valid_keys(cls: type, path: str) -> tuple[str, list[str]]:
+    """The parent section of a dotted key and the valid keys in it."""
+    parts = [p for p in path.split(".") if p]
+    klass: Any = cls
+    parent = []
+    for part in parts[:-1]:
+        fields = {f.name: f for f in dataclasses.fields(klass)}
+        if part not in fields:
+            break
+        value = getattr(klass(), part)
+        if not dataclasses.is_dataclass(value):
+            break
+        klass = type(value)
+        parent.append(part)
+    return ".".join(parent), [f.name for f in dataclasses.fields(klass)]
+
+
+def _explain(cls: type, err: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or ""
+    if isinstance(err, ConfigKeyError) or "not in" in str(err):
+        parent, valid = _valid_keys(cls, key)
+        leaf = key.split(".")[-1]
+        close = difflib.get_close_matches(leaf, valid, n=1)
+        hint = f" (did you mean '{(parent + '.' if parent else '') + close[0]}'?)" if close else ""
+        where = f"under '{parent}'" if parent else "at the top level"
+        return ConfigError(
+            f"unknown key '{key}' in {source}{hint}; valid keys {where}: {', '.join(valid)}"
+        )
+    if isinstance(err, ValidationError):
+        msg = str(err).splitlines()[0]
+        return ConfigError(f"bad value for '{key}' in {source}: {msg}")
+    return ConfigError(f"{source}: {str(err).splitlines()[0]}")
+
+
+def load_config(cls: type, path: str | os.PathLike | None = None, overrides: list[str] | tuple = ()):
+    """Build a config object of dataclass ``cls`` from a YAML preset plus dotted overrides.
+
+    Raises ConfigError with one readable line on an unknown key, a wrong type or a missing file.
+    """
+    base = OmegaConf.structured(cls)
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = OmegaConf.load(p)
+        except Exception as e:  # yaml syntax
+            raise ConfigError(f"cannot parse {p}: {str(e).splitlines()[0]}") from None
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(f"{p}: the top level must be a mapping of keys")
+        try:
+            base = OmegaConf.merge(base, loaded)
+        except OmegaConfBaseException as e:
+            raise _explain(cls, e, str(p)) from None
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form key.sub=value")
+        key, _, _ = item.partition("=")
+        try:
+            base = OmegaConf.merge(base, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as e:
+            if not getattr(e, "full_key", None):
+                e.full_key = key  # type: ignore[attr-defined]
+            raise _explain(cls, e, f"override '{item}'") from None
+    try:
+        obj = OmegaConf.to_object(base)
+    except OmegaConfBaseException as e:
+        raise _explain(cls, e, str(path or "config")) from None
+    return obj
+
+
+def to_yaml(cfg: Any) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def check_choice(name: str, value: str, choices: tuple[str, ...] | list[str]) -> None:
+    if value not in choices:
+        raise ConfigError(f"bad value for '{name}': {value!r}; choose one of {', '.join(choices)}")
+
+
+def make_run_dir(run_dir: str, recipe: str) -> Path:
+    """Resolve the run directory; an empty value gives runs/<recipe>-<timestamp>."""
+    if not run_dir:
+        run_dir = os.path.join("runs", f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+    path = Path(run_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def save_resolved_config(cfg: Any, run_dir: Path) -> None:
+    from .checkpoint import atomic_write_text
+
+    atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))

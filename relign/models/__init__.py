@@ -1,0 +1,1 @@
+"""Model loading, LoRA, log-prob utilities and the tiny model builder."""

@@ -1,0 +1,100 @@
+"""Per-token log-probabilities and entropy without a full-batch fp32 log-softmax.
+
+``log_softmax(logits.float(), -1).gather(...)`` materialises a [B, T, V] fp32 tensor (and keeps
+it for backward): for a 150k vocabulary and 8k tokens that is 4.9 GB. Here the rows are
+processed in chunks; for fp32/fp64 logits we use ``x_y - logsumexp(x)`` directly, and for
+bf16/fp16 logits each chunk is upcast on its own, so the peak extra memory is one chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_CHUNK_TOKENS = 4096
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 -> fp32; fp32 and fp64 stay as they are."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+    """log softmax(logits)[..., index] computed chunk by chunk. Returns fp32 (fp64 for fp64
+    logits), shape of ``index``.
+
+    logits: [..., V]; index: [...] (same leading shape). Differentiable.
+    """
+    shape = index.shape
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_index = index.reshape(-1)
+    out = []
+    for start in range(0, flat_index.numel(), chunk_tokens):
+        chunk = _upcast(flat_logits[start : start + chunk_tokens])
+        idx = flat_index[start : start + chunk_tokens]
+        picked = chunk.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
+        out.append(picked - torch.logsumexp(chunk, dim=-1))
+    if not out:
+        return torch.zeros(shape, dtype=torch.float32, device=logits.device)
+    return torch.cat(out).reshape(shape)
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+    """Entropy H = logsumexp(x) - sum softmax(x) * x of each row, chunked, fp32. Shape logits.shape[:-1]."""
+    shape = logits.shape[:-1]
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = []
+    for start in range(0, flat.shape[0], chunk_tokens):
+        chunk = _upcast(flat[start : start + chunk_tokens])
+        p = torch.softmax(chunk, dim=-1)
+        out.append(torch.logsumexp(chunk, dim=-1) - (p * chunk).sum(-1))
+    if not out:
+        return torch.zeros(shape, dtype=torch.float32, device=logits.device)
+    return torch.cat(out).reshape(shape)
+
+
+def shifted_token_logps(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Align next-token predictions with the tokens they score.
+
+    Returns ``logps`` [B, T] with ``logps[:, t] = log p(input_ids[:, t] | input_ids[:, :t])``
+    and ``logps[:, 0] = 0`` (nothing predicts the first token), so a ``response_mask`` over
+    token positions lines up with it directly. Same layout for the entropy.
+    """
+    pred = logits[:, :-1]
+    if temperature != 1.0:
+        pred = pred / temperature
+    target = input_ids[:, 1:]
+    lp = selective_log_softmax(pred, target, chunk_tokens)
+    logps = torch.nn.functional.pad(lp, (1, 0), value=0.0)
+    ent = None
+    if with_entropy:
+        ent = torch.nn.functional.pad(entropy_from_logits(pred.detach(), chunk_tokens), (1, 0), value=0.0)
+    return logps, ent
+
+
+def token_logps(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the model and return (logps [B, T], entropy [B, T] or None), see shifted_token_logps.
+
+    For packed rows pass ``position_ids`` that restart at 0 for each example and no
+    attention mask: transformers then builds a block-diagonal causal mask. The first token of
+    each packed example is scored against the previous example; callers mask it out.
+    """
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return shifted_token_logps(
+        out.logits, input_ids, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens
+    )

@@ -1,0 +1,50 @@
+"""AdamW with linear warmup and a cosine or constant schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SCHEDULES = ("cosine", "constant")
+
+
+def build_optimizer(
+    model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8
+) -> torch.optim.AdamW:
+    """AdamW over trainable parameters; biases and norm weights (1-D) get no weight decay."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+
+
+def lr_factor(step: int, *, total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float = 0.0) -> float:
+    """Multiplier of the peak lr before optimizer step ``step`` (0-based)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, *, total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float = 0.0
+) -> torch.optim.lr_scheduler.LambdaLR:
+    if schedule not in SCHEDULES:
+        from .config import ConfigError
+
+        raise ConfigError(f"bad value for 'optim.schedule': {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+
+    def f(step: int) -> float:
+        return lr_factor(step, total_steps=total_steps, warmup_steps=warmup_steps, schedule=schedule, min_lr_ratio=min_lr_ratio)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, f)
+
+
+def warmup_steps_of(total_steps: int, warmup_steps: int, warmup_ratio: float) -> int:
+    return warmup_steps if warmup_steps > 0 else int(round(warmup_ratio * total_steps))

@@ -1,0 +1,78 @@
+"""The SFT step's loss and gradient do not depend on micro-batching or packing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from relign.data.sft import SFTExample
+from relign.recipes.sft import accumulate_gradients
+
+
+def _examples(tokenizer) -> list[SFTExample]:
+    texts = [
+        ("What is 2 + 3?", "2 + 3 = 5. The answer is 5."),
+        ("Name a color.", "Blue"),
+        ("Count to four.", "one two three four, and that is all of them"),
+        ("Say hi.", "hi"),
+    ]
+    out = []
+    for p, r in texts:
+        pi = tokenizer(p)["input_ids"]
+        ri = tokenizer(r)["input_ids"] + [tokenizer.eos_token_id]
+        out.append(SFTExample(pi + ri, [0] * len(pi) + [1] * len(ri)))
+    assert len({len(e) for e in out}) > 1  # different lengths, so padding matters
+    return out
+
+
+def _grads(model_dir, examples, **kw):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    loss = accumulate_gradients(model, examples, pad_id=0, device="cpu", **kw)
+    return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(a, b, tol=1e-5):
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    assert torch.allclose(loss_a, loss_b, atol=tol, rtol=0), (loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], atol=tol, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batch_times_accumulation_invariance(tiny_model_dir, tokenizer, loss_agg):
+    ex = _examples(tokenizer)
+    one_by_four = _grads(tiny_model_dir, ex, micro_batch_size=1, packing=False, loss_agg=loss_agg)
+    four_by_one = _grads(tiny_model_dir, ex, micro_batch_size=4, packing=False, loss_agg=loss_agg)
+    two_by_two = _grads(tiny_model_dir, ex, micro_batch_size=2, packing=False, loss_agg=loss_agg)
+    _assert_same(one_by_four, four_by_one)
+    _assert_same(two_by_two, four_by_one)
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("micro", [1, 2, 4])
+def test_packed_equals_padded(tiny_model_dir, tokenizer, loss_agg, micro):
+    ex = _examples(tokenizer)
+    padded = _grads(tiny_model_dir, ex, micro_batch_size=4, packing=False, loss_agg=loss_agg)
+    packed = _grads(tiny_model_dir, ex, micro_batch_size=micro, packing=True, loss_agg=loss_agg)
+    _assert_same(packed, padded)
+
+
+def test_loss_is_the_hand_written_nll(tiny_model_dir, tokenizer):
+    """token-mean loss == mean over trainable tokens of -log p(token | prefix), computed naively."""
+    ex = _examples(tokenizer)
+    loss, _ = _grads(tiny_model_dir, ex, micro_batch_size=2, packing=True, loss_agg="token-mean")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for e in ex:
+            ids = torch.tensor([e.input_ids])
+            logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+            for t in range(1, len(e.input_ids)):
+                if e.loss_mask[t]:
+                    nll -= logp[t - 1, e.input_ids[t]].item()
+                    n += 1
+    assert loss.item() == pytest.approx(nll / n, abs=1e-5)
