@@ -119,12 +119,15 @@ def save_checkpoint(
     state: dict[str, Any] | None = None,
     keep_last: int = 0,
     extra_models: dict[str, Any] | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``checkpoints/step_N`` atomically and prune to the newest ``keep_last``.
 
     ``tensors`` (optimizer / scheduler state dicts, ...) go to a weights_only-loadable
     ``trainer_state.pt`` together with the RNG state; ``state`` must be JSON-serialisable.
     ``extra_models`` maps a sub-folder name to another model to save (a critic, say).
+    ``state_dict`` is the full model state gathered from sharded ranks (``gather_train_state``);
+    call this on rank 0 only in that case.
     """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -134,7 +137,10 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
 
-    model.save_pretrained(tmp, safe_serialization=True)
+    if state_dict is not None:
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+    else:
+        model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     for name, extra in (extra_models or {}).items():
@@ -166,6 +172,35 @@ def save_checkpoint(
         for old_step, path in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(path, ignore_errors=True)
     return final
+
+
+def gather_train_state(model: Any, optimizer: torch.optim.Optimizer) -> tuple[dict | None, dict]:
+    """Full (unsharded) model and optimizer state on CPU, keyed by parameter name.
+
+    A collective under FSDP2: every rank must call it; rank 0 receives the full tensors.
+    On one process the model state is None (``save_pretrained`` reads the model itself).
+    Keying the optimizer state by parameter name makes a checkpoint independent of the
+    number of ranks: a run saved on 2 ranks resumes on 1, or on 4.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from . import distributed
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(model, options=opts) if distributed.world_size() > 1 else None
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=opts)
+    return model_sd, optim_sd
+
+
+def restore_optimizer(model: Any, optimizer: torch.optim.Optimizer, optim_sd: dict) -> None:
+    """Load a ``gather_train_state`` optimizer state into a (possibly sharded) optimizer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_sd, options=StateDictOptions(full_state_dict=True))
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:

@@ -24,7 +24,15 @@ import torch
 
 from .. import distributed
 from ..algorithms.aggregation import MODES, aggregate, aggregate_count
-from ..checkpoint import list_checkpoints, load_checkpoint, load_model_weights, resolve_resume, save_checkpoint
+from ..checkpoint import (
+    gather_train_state,
+    list_checkpoints,
+    load_checkpoint,
+    load_model_weights,
+    resolve_resume,
+    restore_optimizer,
+    save_checkpoint,
+)
 from ..config import (
     CheckpointConfig,
     ConfigError,
@@ -207,19 +215,20 @@ def train(cfg: Config) -> RunResult:
     start_step = 0
     if ckpt is not None:
         tensors, state = load_checkpoint(ckpt)
-        optimizer.load_state_dict(tensors["optimizer"])
+        restore_optimizer(model, optimizer, tensors["optimizer"])
         scheduler.load_state_dict(tensors["scheduler"])
         sampler.load_state_dict(state["sampler"])
         start_step = state["step"]
 
-    def save(step: int):
-        if world > 1:
-            raise ConfigError("checkpointing a multi-rank run is not supported yet; set checkpoint.save_every=0 and checkpoint.save_final=false")
-        return save_checkpoint(
-            run_dir, step, model=model, tokenizer=tok,
-            tensors={"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-            state={"sampler": sampler.state_dict(), "recipe": "sft"}, keep_last=cfg.checkpoint.keep_last,
-        )
+    def save(step: int) -> None:
+        model_sd, optim_sd = gather_train_state(model, optimizer)  # collective under FSDP
+        if distributed.is_main():
+            save_checkpoint(
+                run_dir, step, model=model, tokenizer=tok, state_dict=model_sd,
+                tensors={"optimizer": optim_sd, "scheduler": scheduler.state_dict()},
+                state={"sampler": sampler.state_dict(), "recipe": "sft"}, keep_last=cfg.checkpoint.keep_last,
+            )
+        distributed.barrier()
 
     lg = cfg.logging
     tracker = Tracker(
@@ -275,4 +284,5 @@ def train(cfg: Config) -> RunResult:
     last = saved[-1][1] if saved else None
     tracker.close()
     history = read_metrics(run_dir) if distributed.is_main() else []
+    distributed.barrier()
     return RunResult(run_dir=run_dir, steps=total_steps, metrics=metrics, checkpoint=last, history=history)

@@ -1,0 +1,60 @@
+"""torchrun + FSDP2 (gloo on CPU): 2 ranks train like 1, and checkpoints move between world sizes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from relign.checkpoint import list_checkpoints
+from relign.tracking import read_metrics
+
+from ..conftest import REPO, run_cli
+from .test_cli_sft import FACTS, _args
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(args, env=None):
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(_free_port()), "-m", "relign", *args,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+@pytest.fixture()
+def data(tmp_path):
+    from ..conftest import write_jsonl
+
+    rows = [{"prompt": q, "response": a} for q, a in FACTS]
+    return write_jsonl(tmp_path / "facts.jsonl", rows)
+
+
+def _losses(run):
+    return [(r["step"], r["train/loss"]) for r in read_metrics(run) if "train/loss" in r]
+
+
+def test_two_ranks_match_one_and_resume_across_world_sizes(tiny_model_dir, data, tmp_path):
+    common = ("max_steps=4", "checkpoint.save_every=1", "batch_size=4", "micro_batch_size=1", "packing=false")
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    run_cli(*_args(tiny_model_dir, data, single, *common))
+
+    # 2 ranks, killed right after checkpoint 2 lands; then resumed on 1 rank.
+    proc = _torchrun(_args(tiny_model_dir, data, multi, *common), env={"RELIGN_FAULT": "checkpoint-saved:2"})
+    assert proc.returncode != 0
+    assert [s for s, _ in list_checkpoints(multi)] == [1, 2]
+    run_cli(*_args(tiny_model_dir, data, multi, *common, "resume=auto"))
+
+    a, b = _losses(single), _losses(multi)
+    assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3, 4]
+    for (_, la), (_, lb) in zip(a, b):
+        assert la == pytest.approx(lb, abs=1e-5)  # only the order of float sums differs
