@@ -106,7 +106,12 @@ def load_causal_lm(
     )
     model.to(device)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5 renamed gradient_checkpointing_enable; keep both working.
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.config.use_cache = False
     model.train()
     return model
@@ -120,9 +125,7 @@ def apply_lora(model, *, r: int, alpha: int, dropout: float, target_modules: lis
     if targets == ["all-linear"]:
         targets = "all-linear"
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
-    if getattr(model, "is_activation_checkpointing", None) or model.__dict__.get("gradient_checkpointing", False) or any(
-        getattr(m, "gradient_checkpointing", False) for m in model.modules()
-    ):
+    if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
         # Frozen embeddings produce inputs without grad; checkpointed blocks then see no
         # grad path into the adapters unless the inputs require grad.
         model.enable_input_require_grads()
