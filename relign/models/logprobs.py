@@ -58,13 +58,15 @@ def shifted_token_logps(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Align next-token predictions with the tokens they score.
 
     Returns ``logps`` [B, T] with ``logps[:, t] = log p(input_ids[:, t] | input_ids[:, :t])``
     and ``logps[:, 0] = 0`` (nothing predicts the first token), so a ``response_mask`` over
-    token positions lines up with it directly. Same layout for the entropy.
+    token positions lines up with it directly. Same layout for the entropy, which is detached
+    unless ``entropy_grad`` (an entropy bonus needs its gradient).
     """
     pred = logits[:, :-1]
     if temperature != 1.0:
@@ -74,7 +76,8 @@ def shifted_token_logps(
     logps = torch.nn.functional.pad(lp, (1, 0), value=0.0)
     ent = None
     if with_entropy:
-        ent = torch.nn.functional.pad(entropy_from_logits(pred.detach(), chunk_tokens), (1, 0), value=0.0)
+        src = pred if entropy_grad else pred.detach()
+        ent = torch.nn.functional.pad(entropy_from_logits(src, chunk_tokens), (1, 0), value=0.0)
     return logps, ent
 
 
@@ -86,6 +89,7 @@ def token_logps(
     position_ids: torch.Tensor | None = None,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the model and return (logps [B, T], entropy [B, T] or None), see shifted_token_logps.
@@ -96,5 +100,6 @@ def token_logps(
     """
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return shifted_token_logps(
-        out.logits, input_ids, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens
+        out.logits, input_ids, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+        chunk_tokens=chunk_tokens,
     )

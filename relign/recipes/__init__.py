@@ -9,6 +9,7 @@ from typing import Any
 # name -> (module, one-line summary); the CLI imports the module only when it is used.
 RECIPES: dict[str, tuple[str, str]] = {
     "sft": ("relign.recipes.sft", "Supervised fine-tuning on prompt/response, chat or plain-text records."),
+    "rl": ("relign.recipes.rl", "RL with verifiable rewards: PPO, GRPO, Dr. GRPO, DAPO, GSPO, RLOO, REINFORCE++."),
 }
 
 

@@ -1,0 +1,29 @@
+"""Tasks with verifiable rewards and multi-turn environments (DESIGN.md, "Tasks and environments").
+
+* ``base``: ``Task``, ``RewardResult``, ``normalize_reward``, the ``TASKS`` registry,
+  ``get_task``, ``load_function`` (``"file.py:fn"`` specs) and ``make_custom_task``;
+* ``gsm8k``, ``math``, ``countdown``: built-in tasks, each with a module-level
+  ``reward(prompt, response, extra_info, *, format_weight=0.0)`` and ``task(...)`` factory;
+* ``rewards``: ``RewardPool``, rewards in worker processes with a timeout per call;
+* ``multiturn``: the ``Env`` protocol (RL2's ``step``); ``calculator``: a tool-use env;
+* ``safe_arith``: the arithmetic evaluator Countdown and the calculator share;
+* ``data/``: the shipped test sets (see data/README.md).
+
+Importing this package is cheap: math_verify/sympy load only when the math reward runs.
+"""
+
+from relign.envs.base import TASKS, RewardResult, Task, get_task, load_function, make_custom_task, normalize_reward
+from relign.envs.multiturn import Env
+from relign.envs.rewards import RewardPool
+
+__all__ = [
+    "TASKS",
+    "Env",
+    "RewardPool",
+    "RewardResult",
+    "Task",
+    "get_task",
+    "load_function",
+    "make_custom_task",
+    "normalize_reward",
+]

@@ -1,0 +1,347 @@
+"""Single-turn tasks: a dataset, a prompt template and a verifiable reward.
+
+A task turns dataset rows into RL records (DESIGN.md, "Records")::
+
+    {"prompt": "<rendered prompt>", "extra_info": {"answer": "72", ...}}             # chat=False
+    {"messages": [{"role": "system", ...}, {"role": "user", ...}], "extra_info": {...}}  # chat=True
+
+and scores a response with ``reward(prompt, response, extra_info) -> float | dict``. The
+reward is a plain module-level function named by a spec string (``"relign.envs.gsm8k:reward"``)
+plus keyword options (``{"format_weight": 0.1}``), so the same reward runs in-process
+(``Task.reward``) or in sandboxed worker processes (``RewardPool(task.reward_spec,
+kwargs=task.reward_kwargs)`` or ``RewardPool.from_task(task)``), which load it by that spec.
+
+Reward functions follow one signature::
+
+    def reward(prompt: str, response: str, extra_info: dict, **options) -> float | dict
+
+returning a number, or ``{"reward": float, "score": float, "components": {name: float}}``.
+``reward`` trains, ``score`` is logged as accuracy. The built-in tasks return
+``reward = correct + format_weight * format``, ``score = correct`` and
+``components = {"correct": ..., "format": ...}`` (``combine``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import math
+import numbers
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from relign.data.readers import DataError, read_records
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+
+# --------------------------------------------------------------------------- rewards
+
+
+@dataclass
+class RewardResult:
+    """One scored response. ``error`` is None, "exception" or "timeout" (then reward = score = 0)."""
+
+    reward: float
+    score: float
+    components: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+def _finite(value: Any, what: str) -> float:
+    if not isinstance(value, numbers.Real):  # bool, int, float, numpy scalars, Fraction
+        raise TypeError(f"{what} must be a number, got {type(value).__name__}: {value!r:.80}")
+    out = float(value)
+    if not math.isfinite(out):
+        # A NaN reward silently poisons every advantage in its group; refuse it here.
+        raise ValueError(f"{what} must be finite, got {out}")
+    return out
+
+
+def normalize_reward(value: Any) -> RewardResult:
+    """Turn what a reward function returned into a ``RewardResult``.
+
+    A number (float, int, bool) gives ``reward = score = float(value)``. A dict needs
+    "reward" and may hold "score" (defaults to the reward) and "components" (name -> number).
+    Anything else is a ``TypeError``; a NaN or infinite value is a ``ValueError``.
+    """
+    if isinstance(value, numbers.Real):
+        r = _finite(value, "reward")
+        return RewardResult(reward=r, score=r)
+    if isinstance(value, dict):
+        if "reward" not in value:
+            raise TypeError(f"a reward dict needs a 'reward' key, got keys {sorted(value)}")
+        unknown = set(value) - {"reward", "score", "components"}
+        if unknown:
+            raise TypeError(f"unknown reward dict keys {sorted(unknown)} (allowed: reward, score, components)")
+        r = _finite(value["reward"], "reward")
+        s = _finite(value["score"], "score") if value.get("score") is not None else r
+        comps = value.get("components") or {}
+        if not isinstance(comps, dict):
+            raise TypeError(f"reward 'components' must be a dict of numbers, got {type(comps).__name__}")
+        comps = {str(k): _finite(v, f"component '{k}'") for k, v in comps.items()}
+        return RewardResult(reward=r, score=s, components=comps)
+    raise TypeError(
+        f"a reward function must return a number or a dict with 'reward' (and optional 'score', "
+        f"'components'), got {type(value).__name__}: {value!r:.80}"
+    )
+
+
+def combine(correct: float, fmt: float, format_weight: float = 0.0) -> dict[str, Any]:
+    """The built-in tasks' reward: correctness plus a weighted format bonus; score = correctness."""
+    return {
+        "reward": float(correct) + float(format_weight) * float(fmt),
+        "score": float(correct),
+        "components": {"correct": float(correct), "format": float(fmt)},
+    }
+
+
+# --------------------------------------------------------------------------- loading functions by spec
+
+_FILE_MODULES: dict[str, Any] = {}
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """Load ``"path/to/file.py:function"`` or ``"package.module:function"``.
+
+    The part after the last ":" may be dotted (``"mod:Class.method"``). Errors name the spec:
+    ``FileNotFoundError`` for a missing file, ``ValueError`` for a malformed spec, a module
+    that cannot be imported or a missing attribute, ``TypeError`` if it is not callable.
+    """
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"function spec {spec!r}: expected 'path/to/file.py:function' or 'package.module:function'")
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise ValueError(f"function spec {spec!r}: expected 'path/to/file.py:function' or 'package.module:function'")
+    is_file = target.endswith(".py") or "/" in target or "\\" in target
+    if is_file:
+        path = Path(target).expanduser().resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"function spec {spec!r}: file not found: {path}")
+        key = str(path)
+        module = _FILE_MODULES.get(key)
+        if module is None:
+            # A stable, unique module name per file, registered in sys.modules so that the
+            # file's own dataclasses/pickling work; loaded once per process.
+            name = f"relign_user_{path.stem}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+            mod_spec = importlib.util.spec_from_file_location(name, path)
+            if mod_spec is None or mod_spec.loader is None:
+                raise ValueError(f"function spec {spec!r}: cannot load {path} as a Python module")
+            module = importlib.util.module_from_spec(mod_spec)
+            sys.modules[name] = module
+            try:
+                mod_spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]
+                raise
+            _FILE_MODULES[key] = module
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise ValueError(f"function spec {spec!r}: cannot import module '{target}': {e}") from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            where = path if is_file else target
+            raise ValueError(f"function spec {spec!r}: '{where}' has no attribute '{attr}'")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"function spec {spec!r}: '{attr}' is a {type(obj).__name__}, not a function")
+    return obj
+
+
+# --------------------------------------------------------------------------- tasks
+
+# parse_row(raw_row, source, row_number) -> (template fields, extra_info); raises DataError.
+RowParser = Callable[[dict, str, int], "tuple[dict[str, Any], dict[str, Any]]"]
+
+
+def render(template: str, fields: dict[str, Any]) -> str:
+    """Replace each ``{key}`` in ``template`` by ``str(fields[key])``.
+
+    Plain replacement rather than ``str.format`` so templates can hold literal braces
+    (``\\boxed{}``) without doubling them.
+    """
+    out = template
+    for key, value in fields.items():
+        out = out.replace("{" + key + "}", str(value))
+    return out
+
+
+@dataclass
+class Task:
+    """A single-turn task: where the data is, how a row becomes a prompt, how to score it."""
+
+    name: str
+    parse_row: RowParser
+    """Turns a raw dataset row into (fields for ``template``, ``extra_info`` with the ground truth)."""
+    template: str
+    """Prompt template; ``{field}`` placeholders are filled from ``parse_row``'s fields."""
+    reward_spec: str
+    """The reward function by spec (``"relign.envs.gsm8k:reward"``), as RewardPool loads it."""
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword options passed to the reward function on every call."""
+    default_path: str | None = None
+    """Used by ``load()`` without a path: the shipped file, or a hub id."""
+    split: str = "test"
+    """Split for hub ids and dataset folders (ignored for single files)."""
+    chat: bool = False
+    """True: records hold ``messages`` (optional system + user); False: a raw ``prompt`` string."""
+    system_prompt: str | None = None
+    """Chat: the system message. Raw text: prepended to the prompt, followed by a blank line."""
+
+    @property
+    def format_weight(self) -> float:
+        return float(self.reward_kwargs.get("format_weight", 0.0))
+
+    def make_prompt(self, fields: dict[str, Any]) -> str | list[dict[str, str]]:
+        """The prompt for one row: a string, or a chat message list when ``chat``."""
+        if isinstance(fields.get("messages"), list):
+            # A row that already is a conversation stays one (whatever ``chat`` says): joining
+            # the turns into raw text would lose the roles.
+            msgs = list(fields["messages"])
+            if self.system_prompt and not (msgs and msgs[0].get("role") == "system"):
+                msgs.insert(0, {"role": "system", "content": self.system_prompt})
+            return msgs
+        text = render(self.template, fields)
+        if self.chat:
+            sys_msg = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+            return [*sys_msg, {"role": "user", "content": text}]
+        return f"{self.system_prompt}\n\n{text}" if self.system_prompt else text
+
+    def load(self, path: str | None = None, split: str | None = None, max_rows: int = 0) -> list[dict[str, Any]]:
+        """RL records from a file, a dataset folder or a hub id (``"openai/gsm8k:main"``).
+
+        Without ``path``, ``default_path`` (the shipped test set for the built-in tasks).
+        Bad rows raise ``DataError`` naming the file, the row and the field.
+        """
+        source = path or self.default_path
+        if source is None:
+            raise ValueError(f"task '{self.name}' has no default data; pass a path")
+        records = []
+        for row, raw in read_records(str(source), split or self.split, max_rows=max_rows):
+            if not isinstance(raw, dict):
+                raise DataError(str(source), row, None, f"expected an object, got {type(raw).__name__}")
+            fields, extra_info = self.parse_row(raw, str(source), row)
+            prompt = self.make_prompt(fields)
+            key = "messages" if isinstance(prompt, list) else "prompt"
+            records.append({key: prompt, "extra_info": extra_info})
+        return records
+
+    @property
+    def reward_fn(self) -> Callable[..., Any]:
+        fn = self.__dict__.get("_reward_fn")
+        if fn is None:
+            fn = self.__dict__["_reward_fn"] = load_function(self.reward_spec)
+        return fn
+
+    def reward(self, prompt: str, response: str, extra_info: dict) -> float | dict:
+        """Score one response in this process (no timeout: see ``RewardPool`` for that)."""
+        return self.reward_fn(prompt, response, extra_info, **self.reward_kwargs)
+
+
+def make_custom_task(
+    data_path: str,
+    reward_fn_spec: str,
+    prompt_key: str = "prompt",
+    *,
+    template: str | None = None,
+    split: str = "train",
+    chat: bool = False,
+    system_prompt: str | None = None,
+    reward_kwargs: dict[str, Any] | None = None,
+    name: str = "custom",
+) -> Task:
+    """A task from any data file and a reward function given by spec.
+
+    Each row's ``prompt_key`` field is the prompt (a string, or a message list which is used
+    as it is). ``extra_info`` is the row's ``extra_info`` object if it has one, else every
+    other field of the row (``{"prompt": ..., "answer": "42"}`` -> ``{"answer": "42"}``).
+    ``template`` may reference any field as ``{field}``; the default is ``{<prompt_key>}``.
+    The reward function is loaded once here, so a bad spec fails before training starts.
+    """
+    load_function(reward_fn_spec)
+
+    def parse_row(raw: dict, source: str, row: int) -> tuple[dict, dict]:
+        if raw.get(prompt_key) is None:
+            raise DataError(source, row, prompt_key, "missing")
+        prompt = raw[prompt_key]
+        if isinstance(prompt, list):
+            fields: dict[str, Any] = {"messages": prompt}
+        elif isinstance(prompt, str):
+            fields = dict(raw)
+        else:
+            raise DataError(source, row, prompt_key, f"expected a string or a message list, got {type(prompt).__name__}")
+        if "extra_info" in raw:
+            if not isinstance(raw["extra_info"], dict):
+                raise DataError(source, row, "extra_info", f"expected an object, got {type(raw['extra_info']).__name__}")
+            extra_info = dict(raw["extra_info"])
+        else:
+            extra_info = {k: v for k, v in raw.items() if k != prompt_key}
+        return fields, extra_info
+
+    return Task(
+        name=name,
+        parse_row=parse_row,
+        template=template or "{" + prompt_key + "}",
+        reward_spec=reward_fn_spec,
+        reward_kwargs=dict(reward_kwargs or {}),
+        default_path=data_path,
+        split=split,
+        chat=chat,
+        system_prompt=system_prompt,
+    )
+
+
+def _gsm8k(**kwargs: Any) -> Task:
+    from relign.envs.gsm8k import task
+
+    return task(**kwargs)
+
+
+def _math(**kwargs: Any) -> Task:
+    from relign.envs.math import task
+
+    return task(**kwargs)
+
+
+def _countdown(**kwargs: Any) -> Task:
+    from relign.envs.countdown import task
+
+    return task(**kwargs)
+
+
+# The registry is a plain dict (DESIGN.md, principle 5). Factories import lazily so that
+# importing relign.envs does not import math_verify/sympy.
+TASKS: dict[str, Callable[..., Task]] = {
+    "gsm8k": _gsm8k,
+    "math": _math,
+    "math500": _math,
+    "countdown": _countdown,
+    "custom": make_custom_task,
+}
+
+
+def get_task(name_or_spec: str, **kwargs: Any) -> Task:
+    """A task by registered name (``"gsm8k"``, ``"math"``, ``"math500"``, ``"countdown"``,
+    ``"custom"``) or by a factory spec (``"my_tasks.py:make_task"``), called with ``kwargs``.
+
+    Built-in factories take ``template``, ``chat``, ``system_prompt``, ``default_path``,
+    ``split`` and reward options such as ``format_weight``; ``"custom"`` takes the arguments
+    of ``make_custom_task``.
+    """
+    if name_or_spec in TASKS:
+        factory = TASKS[name_or_spec]
+    elif ":" in name_or_spec:
+        factory = load_function(name_or_spec)
+    else:
+        raise ValueError(f"unknown task {name_or_spec!r}; known: {', '.join(TASKS)}, or a 'file.py:factory' spec")
+    task = factory(**kwargs)
+    if not isinstance(task, Task):
+        raise TypeError(f"task factory {name_or_spec!r} returned {type(task).__name__}, not a Task")
+    return task

@@ -1,0 +1,213 @@
+"""The built-in engine: batched sampling with a KV cache on a transformers model.
+
+Why our own loop instead of ``model.generate``: we need the sampling log-probs of exactly the
+distribution the trainer recomputes, per-call seeds, stop strings, and rows that leave the
+batch when they finish; and ``generate``'s per-step overhead dominates small-model rollouts.
+
+* Each distinct prompt is prefilled once; the cache is then repeated ``n`` times, so a group
+  of ``n`` samples costs one prefill.
+* Finished rows are dropped from the batch (and the KV cache) once enough of them finish, so
+  long tails do not keep paying for short completions.
+* Sampling uses a ``torch.Generator``: the same seed gives the same completions, and the
+  engine's stream can be saved and restored with the run's checkpoints.
+* The engine holds the policy module itself, so in one process training updates are visible
+  to the next rollout with nothing copied (``load_weights`` is then a no-op).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from .engine import Completion, SamplingParams
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    banned: list[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits`` [R, V]. Returns (tokens [R], logps [R]).
+
+    The reported log-prob is log softmax(logits / T) at the sampled token, before top-k/top-p
+    truncation or banned tokens: the trainer recomputes that same quantity from the same
+    weights, so the two agree (tested to 1e-4 in fp32). Greedy (T = 0) reports T = 1.
+    """
+    logits = logits.float()
+    scaled = logits / temperature if temperature > 0 else logits
+    logps_all = torch.log_softmax(scaled, dim=-1)
+    masked = scaled
+    if banned:
+        masked = masked.clone()
+        masked[:, banned] = float("-inf")
+    if temperature <= 0:
+        tokens = masked.argmax(dim=-1)
+    else:
+        if top_k and top_k < masked.shape[-1]:
+            kth = torch.topk(masked, top_k, dim=-1).values[:, -1:]
+            masked = masked.masked_fill(masked < kth, float("-inf"))
+        if top_p < 1.0:
+            sorted_logits, order = torch.sort(masked, descending=True, dim=-1)
+            probs = torch.softmax(sorted_logits, dim=-1)
+            # drop a token when the mass *before* it already reaches top_p (the first always stays)
+            drop = (probs.cumsum(-1) - probs) >= top_p
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            masked = torch.full_like(masked, float("-inf")).scatter(-1, order, sorted_logits)
+        probs = torch.softmax(masked, dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logps_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+class HFEngine:
+    """Batched sampling on a transformers causal LM (see the module docstring)."""
+
+    def __init__(self, model, tokenizer, *, max_batch_rows: int = 256, seed: int = 0, compact_fraction: float = 0.25):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_rows = max_batch_rows
+        self.compact_fraction = compact_fraction
+        self.device = next(model.parameters()).device
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        eos = tokenizer.eos_token_id
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        ids = {eos} if eos is not None else set()
+        if isinstance(gen_eos, int):
+            ids.add(gen_eos)
+        elif isinstance(gen_eos, (list, tuple)):
+            ids.update(gen_eos)
+        self.eos_ids = sorted(ids)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+
+    # ------------------------------------------------------------------ protocol
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy weights in, unless they are this engine's own parameters (shared policy)."""
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                p = params.get(name)
+                if p is None:
+                    raise KeyError(f"engine has no parameter {name!r}")
+                if p.data_ptr() != tensor.data_ptr():
+                    p.copy_(tensor.to(p.device, p.dtype))
+
+    def sleep(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.generator.set_state(state["generator"])
+
+    # ------------------------------------------------------------------ sampling
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        gen = self.generator
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        n = max(1, params.n)
+        per_chunk = max(1, self.max_batch_rows // n)
+        out: list[list[Completion]] = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for start in range(0, len(prompts), per_chunk):
+                    rows = self._generate_chunk(prompts[start : start + per_chunk], params, n, gen)
+                    out.extend(rows[i * n : (i + 1) * n] for i in range(len(rows) // n))
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, n: int, gen) -> list[Completion]:
+        from transformers import DynamicCache
+
+        dev = self.device
+        P = len(prompts)
+        L = max(len(p) for p in prompts)
+        input_ids = torch.full((P, L), self.pad_id, dtype=torch.long, device=dev)
+        attn = torch.zeros((P, L), dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):  # left padding: every row's next token is at column L
+            input_ids[i, L - len(p):] = torch.tensor(p, device=dev)
+            attn[i, L - len(p):] = 1
+        pos = (attn.cumsum(-1) - 1).clamp_min(0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(input_ids, attn, pos, cache, prefill=True)
+        next_pos = pos[:, -1] + 1
+        if n > 1:  # one prefill per prompt, then n copies of its cache
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+            attn = attn.repeat_interleave(n, dim=0)
+            next_pos = next_pos.repeat_interleave(n, dim=0)
+
+        R = P * n
+        stop_ids = set() if params.ignore_eos else set(self.eos_ids)
+        stop_ids.update(params.stop_token_ids)
+        banned_until_min = sorted(stop_ids)
+        stops = [s for s in params.stop if s]
+        tail = max((len(s) for s in stops), default=0) + 8
+        tokens_out: list[list[int]] = [[] for _ in range(R)]
+        logps_out: list[list[float]] = [[] for _ in range(R)]
+        finish: list[str | None] = [None] * R
+        reason: list[str | int | None] = [None] * R
+        active = torch.arange(R, device=dev)  # batch position -> row id
+        pending = 0  # finished rows still in the batch
+
+        for t in range(params.max_new_tokens):
+            banned = banned_until_min if t < params.min_new_tokens else None
+            tok, lp = sample_tokens(
+                logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, banned=banned, generator=gen
+            )
+            tok_l, lp_l, rows = tok.tolist(), lp.tolist(), active.tolist()
+            last = t + 1 == params.max_new_tokens
+            for b, r in enumerate(rows):
+                if finish[r] is not None:
+                    continue
+                tokens_out[r].append(tok_l[b])
+                logps_out[r].append(lp_l[b])
+                if tok_l[b] in stop_ids:
+                    finish[r], reason[r] = "stop", tok_l[b]
+                elif stops:
+                    text = self.tokenizer.decode(tokens_out[r][-tail:], skip_special_tokens=True)
+                    hit = next((s for s in stops if s in text), None)
+                    if hit is not None:
+                        finish[r], reason[r] = "stop", hit
+                if finish[r] is None and last:
+                    finish[r] = "length"
+                if finish[r] is not None:
+                    pending += 1
+            if last or all(finish[r] is not None for r in rows):
+                break
+            if pending >= max(1, int(self.compact_fraction * len(rows))):
+                keep = torch.tensor([b for b, r in enumerate(rows) if finish[r] is None], device=dev)
+                cache.batch_select_indices(keep)
+                active, tok, attn, next_pos = active[keep], tok[keep], attn[keep], next_pos[keep]
+                pending = 0
+            attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=-1)
+            logits = self._forward(tok.unsqueeze(-1), attn, next_pos.unsqueeze(-1), cache, prefill=False)
+            next_pos = next_pos + 1
+
+        return [self._completion(tokens_out[r], logps_out[r], finish[r] or "length", reason[r], stops) for r in range(R)]
+
+    def _forward(self, ids, attn, pos, cache, *, prefill: bool) -> torch.Tensor:
+        kwargs = {"logits_to_keep": 1} if prefill else {}
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True, **kwargs)
+        return out.logits[:, -1]
+
+    def _completion(self, ids: list[int], logps: list[float], finish: str, reason, stops: list[str]) -> Completion:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if isinstance(reason, str):
+            text = text[: text.find(reason)] if reason in text else text
+        return Completion(token_ids=ids, logps=logps, finish_reason=finish, text=text, stop_reason=reason)
