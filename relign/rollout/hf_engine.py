@@ -56,6 +56,7 @@ def sample_tokens(
             probs = torch.softmax(sorted_logits, dim=-1)
             # drop a token when the mass *before* it already reaches top_p (the first always stays)
             drop = (probs.cumsum(-1) - probs) >= top_p
+            drop[..., 0] = False  # the most likely token always stays (top_p = 0 means greedy-like)
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             masked = torch.full_like(masked, float("-inf")).scatter(-1, order, sorted_logits)
         probs = torch.softmax(masked, dim=-1)
@@ -179,7 +180,7 @@ class HFEngine:
                 logps_out[r].append(lp_l[b])
                 if tok_l[b] in stop_ids:
                     finish[r], reason[r] = "stop", tok_l[b]
-                elif stops:
+                elif stops and t + 1 >= params.min_new_tokens:
                     text = self.tokenizer.decode(tokens_out[r][-tail:], skip_special_tokens=True)
                     hit = next((s for s in stops if s in text), None)
                     if hit is not None:

@@ -85,7 +85,6 @@ def run_episodes(
     episodes = [Episode(prompt_ids=list(p), extra_info=dict(info)) for p, info in zip(prompts, extra_infos) for _ in range(n)]
     states = [tokenizer.decode(e.prompt_ids) for e in episodes]
     live = list(range(len(episodes)))
-    first = True
     for turn in range(max_turns):
         if not live:
             break
@@ -97,9 +96,9 @@ def run_episodes(
         p = SamplingParams(**{
             **turn_params.__dict__,
             "max_new_tokens": min(params.max_new_tokens, max(budget[i] for i in live)),
-            "seed": params.seed if first else None,  # a seeded call stays reproducible
+            # a seeded call is reproducible on its own: each turn gets its own derived seed
+            "seed": None if params.seed is None else params.seed + turn,
         })
-        first = False
         outs = engine.generate(inputs, p)
         jobs = []
         for i, group in zip(live, outs):
@@ -113,7 +112,7 @@ def run_episodes(
             e.turns += 1
             action = tokenizer.decode(ids)
             jobs.append((states[i], action, e.extra_info))
-            if c.finish_reason == "length" and len(ids) >= budget[i]:
+            if len(ids) >= budget[i] and (c.finish_reason == "length" or len(c.token_ids) > len(ids)):
                 e.finish_reason = "length"
         results = asyncio.run(_step_all(env, jobs))
         still = []
@@ -130,10 +129,12 @@ def run_episodes(
                 e.env_errors += 1
             nxt = res.get("next_state", state + action)
             if res.get("done", False) or e.finish_reason == "length":
-                states[i] = nxt
+                # the episode's text is what its tokens hold: prompt + ... + this action
+                states[i] = state + action
                 continue
             if not nxt.startswith(state + action):
                 # The environment rewrote history: we cannot append tokens consistently.
+                states[i] = state + action
                 e.env_errors += 1
                 e.finish_reason = "env_error"
                 continue
@@ -141,6 +142,7 @@ def run_episodes(
             obs_ids = tokenizer(obs, add_special_tokens=False)["input_ids"] if obs else []
             room = max_response_tokens - len(e.response_ids)
             if len(obs_ids) >= room:
+                states[i] = state + action
                 e.finish_reason = "length"
                 continue
             e.response_ids += obs_ids
