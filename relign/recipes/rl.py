@@ -255,6 +255,28 @@ def compute_advantages(cfg: AlgorithmConfig, batch: RolloutBatch, rewards: torch
     return a * mask, returns
 
 
+def actor_token_loss(a: AlgorithmConfig, logps, entropy, old_logps, advantages, mask, *, ref_logps=None, tis=None):
+    """Per-token actor loss [B, T]: the policy surrogate (times the TIS weight), plus
+    beta * KL when the KL is a loss term, minus the entropy bonus. Returns (loss, diagnostics)."""
+    if a.policy_loss == "gspo":
+        # GSPO uses one advantage per sequence: the (constant) per-token advantage of the row
+        seq_a = (advantages * mask).sum(-1) / mask.sum(-1).clamp_min(1)
+        loss, info = gspo_loss(logps, old_logps, seq_a, mask, clip_low=a.clip_low, clip_high=a.clip_high)
+    else:
+        loss, info = ppo_clip_loss(logps, old_logps, advantages, clip_low=a.clip_low, clip_high=a.clip_high,
+                                   dual_clip=a.dual_clip if a.dual_clip > 0 else None)
+    if tis is not None:
+        loss = loss * tis
+    if ref_logps is not None:
+        kl = kl_estimate(logps, ref_logps, a.kl_estimator)
+        if not a.kl_in_reward:
+            loss = loss + a.kl_coef * kl
+        info["kl"] = kl.detach()
+    if a.entropy_coef > 0:
+        loss = loss + a.entropy_coef * entropy_bonus_loss(entropy)
+    return loss, info
+
+
 def train(cfg: Config) -> RunResult:
     _check(cfg)
     distributed.init()
@@ -399,23 +421,12 @@ def train(cfg: Config) -> RunResult:
                         mb = batch.rows(rows)
                         logps, ent = _forward(policy, mb, T, with_entropy=True, entropy_grad=a.entropy_coef > 0)
                         old = old_logps[rows] if old_logps is not None else logps.detach()
-                        A = advantages[rows]
-                        if a.policy_loss == "gspo":
-                            seq_a = (A * mb["response_mask"]).sum(-1) / mb["response_mask"].sum(-1).clamp_min(1)
-                            pg, info = gspo_loss(logps, old, seq_a, mb["response_mask"], clip_low=a.clip_low, clip_high=a.clip_high)
-                        else:
-                            pg, info = ppo_clip_loss(logps, old, A, clip_low=a.clip_low, clip_high=a.clip_high,
-                                                     dual_clip=a.dual_clip if a.dual_clip > 0 else None)
-                        if tis is not None:
-                            pg = pg * tis[rows]
-                        loss_tok = pg
-                        if ref_logps is not None:
-                            kl = kl_estimate(logps, ref_logps[rows], a.kl_estimator)
-                            if not a.kl_in_reward:
-                                loss_tok = loss_tok + a.kl_coef * kl
-                            _acc(stats, "actor/kl", kl.detach(), mb["response_mask"])
-                        if a.entropy_coef > 0:
-                            loss_tok = loss_tok + a.entropy_coef * entropy_bonus_loss(ent)
+                        loss_tok, info = actor_token_loss(
+                            a, logps, ent, old, advantages[rows], mb["response_mask"],
+                            ref_logps=ref_logps[rows] if ref_logps is not None else None, tis=tis[rows] if tis is not None else None,
+                        )
+                        if "kl" in info:
+                            _acc(stats, "actor/kl", info["kl"], mb["response_mask"])
                         loss = aggregate(loss_tok, mb["response_mask"], a.loss_agg, normalizer, max_len=ro.max_new_tokens)
                         loss.backward()
                         stats.setdefault("actor/loss", []).append(loss.item())
