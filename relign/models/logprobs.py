@@ -90,14 +90,38 @@ def token_logps(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    target_mask: torch.Tensor | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the model and return (logps [B, T], entropy [B, T] or None), see shifted_token_logps.
+
+    ``target_mask`` [B, T]: score only these tokens (the rest get 0). The LM head and the
+    softmax then run only at the positions that predict them (``logits_to_keep`` with an
+    index tensor), which skips the prompt: for a 150k vocabulary the head is a large share of
+    the compute and its logits most of the activation memory.
 
     For packed rows pass ``position_ids`` that restart at 0 for each example and no
     attention mask: transformers then builds a block-diagonal causal mask. The first token of
     each packed example is scored against the previous example; callers mask it out.
     """
+    if target_mask is not None and input_ids.shape[1] > 1:
+        keep = target_mask[:, 1:].bool().any(0).nonzero().squeeze(-1)  # positions p predicting p + 1
+        if 0 < keep.numel() < input_ids.shape[1] - 1:
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                        logits_to_keep=keep)
+            logits = out.logits  # [B, K, V]
+            if logits.shape[1] == keep.numel():
+                if temperature != 1.0:
+                    logits = logits / temperature
+                B, T = input_ids.shape
+                lp = selective_log_softmax(logits, input_ids[:, keep + 1], chunk_tokens)
+                logps = lp.new_zeros(B, T).index_copy(1, keep + 1, lp)
+                ent = None
+                if with_entropy:
+                    e = entropy_from_logits(logits if entropy_grad else logits.detach(), chunk_tokens)
+                    ent = e.new_zeros(B, T).index_copy(1, keep + 1, e)
+                return logps, ent
+            # a model that ignores index-tensor logits_to_keep: fall through to the full path
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return shifted_token_logps(
         out.logits, input_ids, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,

@@ -224,7 +224,7 @@ def _check(cfg: Config) -> None:
 def _forward(model, mb: dict[str, torch.Tensor], temperature: float, *, with_entropy=False, entropy_grad=False):
     return token_logps(
         model, mb["input_ids"], attention_mask=mb["attention_mask"], temperature=temperature,
-        with_entropy=with_entropy, entropy_grad=entropy_grad,
+        with_entropy=with_entropy, entropy_grad=entropy_grad, target_mask=mb["response_mask"],
     )
 
 

@@ -111,7 +111,8 @@ def _collate(examples: list[SFTExample], packing: bool, pad_id: int, device) -> 
 
 def _forward(model, mb: dict[str, torch.Tensor]) -> torch.Tensor:
     logps, _ = token_logps(
-        model, mb["input_ids"], attention_mask=mb.get("attention_mask"), position_ids=mb.get("position_ids")
+        model, mb["input_ids"], attention_mask=mb.get("attention_mask"), position_ids=mb.get("position_ids"),
+        target_mask=mb["loss_mask"],
     )
     return logps  # [B, T]
 
@@ -147,6 +148,10 @@ def accumulate_gradients(
     and all ranks, before any backward pass, so the accumulated gradient is that of the full
     batch loss: sum_mb aggregate(-logp_mb, mask_mb, mode, N) == aggregate(-logp, mask, mode).
     """
+    if not packing:
+        # Similar lengths in a micro-batch waste less compute on padding. The order within a
+        # step does not change the step's loss (one global normalizer), only float rounding.
+        examples = sorted(examples, key=len)
     micro = [_collate(group, packing, pad_id, device) for group in chunks(examples, micro_batch_size)]
     count = sum(aggregate_count(mb["loss_mask"], loss_agg, segment_ids=mb["segment_ids"]) for mb in micro)
     normalizer = distributed.all_reduce_sum(count)

@@ -67,3 +67,31 @@ def test_shifted_alignment_and_temperature():
 def test_empty_input():
     out = selective_log_softmax(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long))
     assert out.shape == (0,)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_target_mask_scores_only_targets_and_matches_full(tiny_model_dir, temperature):
+    """logits_to_keep with an index tensor: same log-probs/entropy/gradients on the targets, 0 elsewhere."""
+    from transformers import AutoModelForCausalLM
+
+    from relign.models.logprobs import token_logps
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 1000, (3, 12), generator=g)
+    target = torch.zeros(3, 12)
+    target[0, 5:9] = 1
+    target[1, 7:12] = 1
+    target[2, 10] = 1
+    full, full_ent = token_logps(model, ids, temperature=temperature, with_entropy=True)
+    (-(full * target).sum()).backward()
+    full_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    part, part_ent = token_logps(model, ids, temperature=temperature, with_entropy=True, target_mask=target)
+    (-(part * target).sum()).backward()
+    on = target.bool()
+    torch.testing.assert_close(part[on], full[on], atol=1e-5, rtol=0)
+    torch.testing.assert_close(part_ent[on], full_ent[on], atol=1e-5, rtol=0)
+    assert (part[~target[:, :].bool() & ~(target.any(0).expand_as(target).bool())] == 0).all()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, full_grads[n], atol=1e-5, rtol=1e-4, msg=n)
