@@ -18,7 +18,17 @@ def build_optimizer(
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+    params = decay + no_decay
+    # The fused kernel (one pass over all parameters) is 2-3x faster than the foreach
+    # default; sharded DTensor parameters (FSDP) keep the default.
+    from . import distributed
+
+    fused = (
+        distributed.world_size() == 1
+        and bool(params)
+        and all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params)
+    )
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps, fused=fused or None)
 
 
 def lr_factor(step: int, *, total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float = 0.0) -> float:

@@ -4,7 +4,10 @@ Padded micro-batch:  input_ids / attention_mask / loss_mask / segment_ids  [B, T
 Packed micro-batch:  input_ids / position_ids / loss_mask / segment_ids    [1, sum T_i]
   position_ids restart at 0 for each example; with no attention mask transformers builds a
   block-diagonal causal mask from them (and flash-attention uses them as varlen boundaries),
-  so no token attends across examples and no compute is spent on padding.
+  so no token attends across examples. With flash-attention no compute is spent on padding;
+  with SDPA/eager (CPU) the block mask is dense, attention costs (sum T_i)^2 instead of
+  sum T_i^2, and length-sorted padded micro-batches are usually faster (packing still saves
+  memory).
 """
 
 from __future__ import annotations

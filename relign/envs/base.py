@@ -298,6 +298,32 @@ def make_custom_task(
     )
 
 
+def builtin_task(
+    name: str,
+    parse_row: RowParser,
+    reward_spec: str,
+    *,
+    template: str,
+    default_path: str,
+    format_weight: float = 0.0,
+    chat: bool = False,
+    system_prompt: str | None = None,
+    split: str = "test",
+) -> Task:
+    """A built-in task: its reward is ``correct + format_weight * format`` (``combine``)."""
+    return Task(
+        name=name,
+        parse_row=parse_row,
+        template=template,
+        reward_spec=reward_spec,
+        reward_kwargs={"format_weight": float(format_weight)},
+        default_path=default_path,
+        split=split,
+        chat=chat,
+        system_prompt=system_prompt,
+    )
+
+
 def _gsm8k(**kwargs: Any) -> Task:
     from relign.envs.gsm8k import task
 

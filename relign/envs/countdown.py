@@ -21,7 +21,7 @@ from fractions import Fraction
 from typing import Any
 
 from relign.data.readers import DataError
-from relign.envs.base import DATA_DIR, Task, combine
+from relign.envs.base import DATA_DIR, Task, builtin_task, combine
 from relign.envs.safe_arith import ArithError, analyze
 
 NAME = "countdown"
@@ -102,23 +102,6 @@ def parse_row(raw: dict, source: str, row: int) -> tuple[dict, dict]:
     return {"numbers": numbers, "target": target}, {"nums": nums, "target": target}
 
 
-def task(
-    *,
-    format_weight: float = 0.0,
-    template: str = TEMPLATE,
-    chat: bool = False,
-    system_prompt: str | None = None,
-    default_path: str = DEFAULT_PATH,
-    split: str = "test",
-) -> Task:
-    return Task(
-        name=NAME,
-        parse_row=parse_row,
-        template=template,
-        reward_spec="relign.envs.countdown:reward",
-        reward_kwargs={"format_weight": float(format_weight)},
-        default_path=default_path,
-        split=split,
-        chat=chat,
-        system_prompt=system_prompt,
-    )
+def task(*, template: str = TEMPLATE, default_path: str = DEFAULT_PATH, **options: Any) -> Task:
+    """The countdown task; ``options``: format_weight, chat, system_prompt, split (see ``builtin_task``)."""
+    return builtin_task(NAME, parse_row, "relign.envs.countdown:reward", template=template, default_path=default_path, **options)

@@ -17,7 +17,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from relign.data.readers import DataError
-from relign.envs.base import DATA_DIR, Task, combine
+from relign.envs.base import DATA_DIR, Task, builtin_task, combine
 
 NAME = "gsm8k"
 DEFAULT_PATH = str(DATA_DIR / "gsm8k_test.jsonl")
@@ -110,23 +110,6 @@ def parse_row(raw: dict, source: str, row: int) -> tuple[dict, dict]:
     return {"question": raw["question"]}, {"answer": gold}
 
 
-def task(
-    *,
-    format_weight: float = 0.0,
-    template: str = TEMPLATE,
-    chat: bool = False,
-    system_prompt: str | None = None,
-    default_path: str = DEFAULT_PATH,
-    split: str = "test",
-) -> Task:
-    return Task(
-        name=NAME,
-        parse_row=parse_row,
-        template=template,
-        reward_spec="relign.envs.gsm8k:reward",
-        reward_kwargs={"format_weight": float(format_weight)},
-        default_path=default_path,
-        split=split,
-        chat=chat,
-        system_prompt=system_prompt,
-    )
+def task(*, template: str = TEMPLATE, default_path: str = DEFAULT_PATH, **options: Any) -> Task:
+    """The gsm8k task; ``options``: format_weight, chat, system_prompt, split (see ``builtin_task``)."""
+    return builtin_task(NAME, parse_row, "relign.envs.gsm8k:reward", template=template, default_path=default_path, **options)

@@ -24,7 +24,7 @@ import threading
 from typing import Any
 
 from relign.data.readers import DataError
-from relign.envs.base import DATA_DIR, Task, combine
+from relign.envs.base import DATA_DIR, Task, builtin_task, combine
 
 NAME = "math"
 DEFAULT_PATH = str(DATA_DIR / "math500_test.jsonl")
@@ -158,23 +158,6 @@ def parse_row(raw: dict, source: str, row: int) -> tuple[dict, dict]:
     return {"problem": raw["problem"]}, extra_info
 
 
-def task(
-    *,
-    format_weight: float = 0.0,
-    template: str = TEMPLATE,
-    chat: bool = False,
-    system_prompt: str | None = None,
-    default_path: str = DEFAULT_PATH,
-    split: str = "test",
-) -> Task:
-    return Task(
-        name=NAME,
-        parse_row=parse_row,
-        template=template,
-        reward_spec="relign.envs.math:reward",
-        reward_kwargs={"format_weight": float(format_weight)},
-        default_path=default_path,
-        split=split,
-        chat=chat,
-        system_prompt=system_prompt,
-    )
+def task(*, template: str = TEMPLATE, default_path: str = DEFAULT_PATH, **options: Any) -> Task:
+    """The math task; ``options``: format_weight, chat, system_prompt, split (see ``builtin_task``)."""
+    return builtin_task(NAME, parse_row, "relign.envs.math:reward", template=template, default_path=default_path, **options)

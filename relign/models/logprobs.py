@@ -18,11 +18,14 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+def selective_log_softmax(
+    logits: torch.Tensor, index: torch.Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, *, temperature: float = 1.0
+) -> torch.Tensor:
     """log softmax(logits)[..., index] computed chunk by chunk. Returns fp32 (fp64 for fp64
     logits), shape of ``index``.
 
-    logits: [..., V]; index: [...] (same leading shape). Differentiable.
+    logits: [..., V]; index: [...] (same leading shape). ``temperature`` divides the logits
+    chunk by chunk (no full-size scaled copy). Differentiable.
     """
     shape = index.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])
@@ -30,6 +33,8 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, chunk_token
     out = []
     for start in range(0, flat_index.numel(), chunk_tokens):
         chunk = _upcast(flat_logits[start : start + chunk_tokens])
+        if temperature != 1.0:
+            chunk = chunk / temperature
         idx = flat_index[start : start + chunk_tokens]
         picked = chunk.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
         out.append(picked - torch.logsumexp(chunk, dim=-1))
@@ -38,13 +43,17 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, chunk_token
     return torch.cat(out).reshape(shape)
 
 
-def entropy_from_logits(logits: torch.Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+def entropy_from_logits(
+    logits: torch.Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, *, temperature: float = 1.0
+) -> torch.Tensor:
     """Entropy H = logsumexp(x) - sum softmax(x) * x of each row, chunked, fp32. Shape logits.shape[:-1]."""
     shape = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1])
     out = []
     for start in range(0, flat.shape[0], chunk_tokens):
         chunk = _upcast(flat[start : start + chunk_tokens])
+        if temperature != 1.0:
+            chunk = chunk / temperature
         p = torch.softmax(chunk, dim=-1)
         out.append(torch.logsumexp(chunk, dim=-1) - (p * chunk).sum(-1))
     if not out:
@@ -68,16 +77,17 @@ def shifted_token_logps(
     token positions lines up with it directly. Same layout for the entropy, which is detached
     unless ``entropy_grad`` (an entropy bonus needs its gradient).
     """
-    pred = logits[:, :-1]
-    if temperature != 1.0:
-        pred = pred / temperature
-    target = input_ids[:, 1:]
-    lp = selective_log_softmax(pred, target, chunk_tokens)
+    # Score every position against the next token (a dummy 0 after the last) and drop the
+    # last column afterwards: slicing logits[:, :-1] first would make a non-contiguous view
+    # that the chunked reshape copies whole ([B, T, V], kept for backward).
+    target = torch.nn.functional.pad(input_ids[:, 1:], (0, 1))
+    lp = selective_log_softmax(logits, target, chunk_tokens, temperature=temperature)[:, :-1]
     logps = torch.nn.functional.pad(lp, (1, 0), value=0.0)
     ent = None
     if with_entropy:
-        src = pred if entropy_grad else pred.detach()
-        ent = torch.nn.functional.pad(entropy_from_logits(src, chunk_tokens), (1, 0), value=0.0)
+        src = logits if entropy_grad else logits.detach()
+        e = entropy_from_logits(src, chunk_tokens, temperature=temperature)[:, :-1]
+        ent = torch.nn.functional.pad(e, (1, 0), value=0.0)
     return logps, ent
 
 
@@ -111,14 +121,12 @@ def token_logps(
                         logits_to_keep=keep)
             logits = out.logits  # [B, K, V]
             if logits.shape[1] == keep.numel():
-                if temperature != 1.0:
-                    logits = logits / temperature
                 B, T = input_ids.shape
-                lp = selective_log_softmax(logits, input_ids[:, keep + 1], chunk_tokens)
+                lp = selective_log_softmax(logits, input_ids[:, keep + 1], chunk_tokens, temperature=temperature)
                 logps = lp.new_zeros(B, T).index_copy(1, keep + 1, lp)
                 ent = None
                 if with_entropy:
-                    e = entropy_from_logits(logits if entropy_grad else logits.detach(), chunk_tokens)
+                    e = entropy_from_logits(logits if entropy_grad else logits.detach(), chunk_tokens, temperature=temperature)
                     ent = e.new_zeros(B, T).index_copy(1, keep + 1, e)
                 return logps, ent
             # a model that ignores index-tensor logits_to_keep: fall through to the full path

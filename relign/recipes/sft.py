@@ -79,7 +79,7 @@ class Config:
     loss_agg: str = "token-mean"
     """Loss reduction: token-mean or seq-mean-token-mean, normalized over the whole step's batch."""
     packing: bool = False
-    """Pack each micro-batch into one padding-free row with per-example position ids."""
+    """Pack each micro-batch into one padding-free row with per-example position ids (fastest with flash-attention)."""
     eval_every: int = 0
     """Compute the held-out loss every N steps (0 = only at the end, when there is eval data)."""
     eval_batch_size: int = 16
@@ -91,6 +91,15 @@ def _check(cfg: Config) -> None:
     check_choice("data.truncation", cfg.data.truncation, TRUNCATION)
     if not cfg.data.path:
         raise ConfigError("missing value for 'data.path': give a data file, a dataset folder or a hub id")
+    if cfg.packing and not cfg.model.attn_implementation.startswith("flash_attention"):
+        import warnings
+
+        warnings.warn(
+            "packing=true with attention that is not flash-attention builds a dense block-diagonal mask: "
+            "attention then costs (sum of lengths)^2 per micro-batch. On CPU, packing=false (length-sorted "
+            "padded micro-batches) is usually faster; packing still saves memory.",
+            stacklevel=2,
+        )
     ws = distributed.world_size()
     if cfg.batch_size % (cfg.micro_batch_size * ws):
         raise ConfigError(
