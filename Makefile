@@ -32,6 +32,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	$(BIN)/python bench/sft_throughput.py
+	$(BIN)/python bench/grpo_step.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
