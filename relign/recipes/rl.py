@@ -235,8 +235,13 @@ def _score_all(fn, batch: RolloutBatch, micro: int) -> torch.Tensor:
 
 
 def compute_advantages(cfg: AlgorithmConfig, batch: RolloutBatch, rewards: torch.Tensor, components: torch.Tensor | None,
-                       values: torch.Tensor | None, group_size: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token advantages [N, L] (and returns for the critic) from the step's rewards."""
+                       values: torch.Tensor | None, group_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token advantages [N, L] (and returns for the critic).
+
+    grpo / rloo / gdpo compare whole sequences: ``rewards`` [N] (minus beta * sum_t KL_t when
+    the KL is in the reward) or the reward ``components`` [N, K]; the sequence's advantage is
+    put on each of its tokens. reinforce_pp and gae work per token on ``batch.token_rewards``
+    (outcome on the last model token, KL penalty on every token when in the reward)."""
     mask = batch.response_mask
     if cfg.advantage in ("grpo", "rloo", "gdpo"):
         if cfg.advantage == "gdpo" and components is not None:
@@ -395,9 +400,14 @@ def train(cfg: Config) -> RunResult:
             # ---- 5. old log-probs: only needed when the batch serves more than one update
             reuse = a.ppo_epochs * a.mini_batches > 1 or a.tis_cap > 0 or (a.kl_in_reward and a.kl_coef > 0)
             old_logps = _score_all(lambda mb: _forward(policy, mb, T)[0], batch, micro) if reuse else None
+            adv_rewards = rewards  # what the sequence-level estimators (grpo, rloo) see
             if a.kl_in_reward and a.kl_coef > 0:
                 kl_tok = kl_estimate(old_logps, ref_logps, a.kl_estimator)
                 batch.token_rewards = kl_penalty_rewards(batch.token_rewards, kl_tok, a.kl_coef, mask)
+                # sequence-level form (RLOO, InstructGPT): R_i - beta * sum_t KL_t
+                kl_seq = (kl_tok * mask).sum(-1)
+                adv_rewards = rewards - a.kl_coef * kl_seq
+                stats["reward/kl_penalty"] = [float(a.kl_coef * kl_seq.mean())]
             if old_logps is not None:  # engine vs trainer on the same tokens and weights
                 _acc(stats, "actor/logp_mismatch", (batch.sampling_logps - old_logps).abs(), mask)
             # ---- 6. advantages
@@ -405,7 +415,7 @@ def train(cfg: Config) -> RunResult:
             if a.advantage == "gdpo":
                 names = sorted(episodes[0].components) if episodes[0].components else []
                 comps = torch.tensor([[e.components.get(k, 0.0) for k in names] for e in episodes], device=device) if names else None
-            advantages, returns = compute_advantages(a, batch, rewards, comps, values, G, ro.max_new_tokens)
+            advantages, returns = compute_advantages(a, batch, adv_rewards, comps, values, G)
             tis = truncated_is_weights(old_logps, batch.sampling_logps, cap=a.tis_cap) if a.tis_cap > 0 else None
 
             # ---- 7. updates: ppo_epochs x mini_batches optimizer steps
