@@ -135,3 +135,71 @@ def token_logps(
         out.logits, input_ids, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
         chunk_tokens=chunk_tokens,
     )
+
+
+def shared_prefix_token_logps(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    group_size: int,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``token_logps`` for rows that come in groups sharing one prompt, computing each prompt once.
+
+    input_ids / attention_mask [N, L]: rows ``[prompt | response | pad]``, right-padded, in
+    groups of ``group_size`` consecutive rows with the same prompt (GRPO/RLOO batches);
+    prompt_lens [N]. The prompts of the groups run once (left-padded) and fill a KV cache,
+    which is repeated ``group_size`` times; the responses then run against it. Attention,
+    positions and therefore log-probs are those of the full rows (tested to 1e-5, gradients
+    included: autograd sums the G branches into the shared prompt). With prompts of P tokens
+    and responses of R, the forward covers N/G * P + N * R tokens instead of N * (P + R).
+
+    Returns logps (and entropy) [N, L] in the full-row layout, 0 outside the responses.
+    """
+    from transformers import DynamicCache
+
+    N, L = input_ids.shape
+    G = group_size
+    dev = input_ids.device
+    plen = prompt_lens.tolist()
+    rows_len = attention_mask.sum(-1).tolist()
+    heads = list(range(0, N, G))
+    P = max(plen[h] for h in heads)
+    R = max(1, max(n - p for n, p in zip(rows_len, plen)))
+    # prompts, left-padded so every prompt ends at column P - 1
+    pre_ids = input_ids.new_zeros(len(heads), P)
+    pre_mask = attention_mask.new_zeros(len(heads), P)
+    for g, h in enumerate(heads):
+        pre_ids[g, P - plen[h]:] = input_ids[h, : plen[h]]
+        pre_mask[g, P - plen[h]:] = 1
+    # responses, right-padded
+    resp_ids = input_ids.new_zeros(N, R)
+    resp_mask = attention_mask.new_zeros(N, R)
+    for i in range(N):
+        n = rows_len[i] - plen[i]
+        resp_ids[i, :n] = input_ids[i, plen[i] : rows_len[i]]
+        resp_mask[i, :n] = 1
+    cache = DynamicCache(config=getattr(model, "config", None))
+    pre_pos = (pre_mask.cumsum(-1) - 1).clamp_min(0)
+    out = model(input_ids=pre_ids, attention_mask=pre_mask, position_ids=pre_pos, past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    first = out.logits[:, -1:].repeat_interleave(G, dim=0)  # [N, 1, V]: predicts each response's first token
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(G)
+    full_mask = torch.cat([pre_mask.repeat_interleave(G, dim=0), resp_mask], dim=-1)
+    pos = torch.tensor(plen, device=dev).unsqueeze(-1) + torch.arange(R, device=dev).unsqueeze(0)
+    out = model(input_ids=resp_ids, attention_mask=full_mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    logits = torch.cat([first, out.logits[:, :-1]], dim=1)  # [N, R, V]: position j predicts response token j
+    lp = selective_log_softmax(logits, resp_ids, chunk_tokens, temperature=temperature)  # [N, R]
+    ent = entropy_from_logits(logits if entropy_grad else logits.detach(), chunk_tokens, temperature=temperature) if with_entropy else None
+    # back to the full-row layout
+    cols = (torch.tensor(plen, device=dev).unsqueeze(-1) + torch.arange(R, device=dev).unsqueeze(0)).clamp_max(L - 1)
+    keep = resp_mask.bool()
+    logps = lp.new_zeros(N, L).scatter(1, cols, lp * keep)
+    entropy = ent.new_zeros(N, L).scatter(1, cols, ent * keep) if ent is not None else None
+    return logps, entropy

@@ -46,7 +46,7 @@ from ..config import (
 )
 from ..data.collate import StepSampler
 from ..models.loading import apply_lora, load_causal_lm, load_tokenizer, resolve_device, trainable_parameters
-from ..models.logprobs import token_logps
+from ..models.logprobs import shared_prefix_token_logps, token_logps
 from ..models.value import ValueModel
 from ..optim import build_optimizer, build_scheduler, warmup_steps_of
 from ..rollout.batch import RolloutBatch, build_batch, micro_slices
@@ -201,6 +201,8 @@ class Config:
     """Completions written to rollouts/step_N.jsonl each step (0 = none)."""
     nan_patience: int = 3
     """Stop (after saving the last good checkpoint) when this many updates in a row are non-finite."""
+    share_prompt: bool = True
+    """Run each group's prompt once in training forwards (needs micro_batch_size to be a multiple of rollout.n)."""
 
 
 def _check(cfg: Config) -> None:
@@ -221,7 +223,15 @@ def _check(cfg: Config) -> None:
         raise ConfigError("prompts_per_step, micro_batch_size, algorithm.mini_batches and algorithm.ppo_epochs must be >= 1")
 
 
-def _forward(model, mb: dict[str, torch.Tensor], temperature: float, *, with_entropy=False, entropy_grad=False):
+def _forward(model, mb: dict[str, torch.Tensor], temperature: float, *, group_size: int = 0, with_entropy=False,
+             entropy_grad=False):
+    """Log-probs (and entropy) [n, L] of a micro-batch; ``group_size`` > 0: its rows are whole
+    groups sharing a prompt, and each prompt is computed once."""
+    if group_size > 1:
+        return shared_prefix_token_logps(
+            model, mb["input_ids"], mb["attention_mask"], mb["prompt_lens"], group_size, temperature=temperature,
+            with_entropy=with_entropy, entropy_grad=entropy_grad,
+        )
     return token_logps(
         model, mb["input_ids"], attention_mask=mb["attention_mask"], temperature=temperature,
         with_entropy=with_entropy, entropy_grad=entropy_grad, target_mask=mb["response_mask"],
@@ -361,6 +371,8 @@ def train(cfg: Config) -> RunResult:
     (run_dir / "rollouts").mkdir(exist_ok=True)
     G, T = ro.n, ro.temperature
     micro = cfg.micro_batch_size
+    # shared-prompt forwards need micro-batches of whole groups
+    share = G if cfg.share_prompt and G > 1 and micro % G == 0 else 0
     bad_in_a_row = 0
     status = "completed"
     metrics: dict[str, float] = {}
@@ -391,15 +403,15 @@ def train(cfg: Config) -> RunResult:
             ref_logps = None
             if a.kl_coef > 0:
                 if ref is not None:
-                    ref_logps = _score_all(lambda mb: _forward(ref, mb, T)[0], batch, micro)
+                    ref_logps = _score_all(lambda mb: _forward(ref, mb, T, group_size=share)[0], batch, micro)
                 else:
                     with policy.disable_adapter():
-                        ref_logps = _score_all(lambda mb: _forward(policy, mb, T)[0], batch, micro)
+                        ref_logps = _score_all(lambda mb: _forward(policy, mb, T, group_size=share)[0], batch, micro)
             # ---- 4. values (only with a critic)
             values = _score_all(lambda mb: critic(mb["input_ids"], mb["attention_mask"]), batch, micro) if critic is not None else None
             # ---- 5. old log-probs: only needed when the batch serves more than one update
             reuse = a.ppo_epochs * a.mini_batches > 1 or a.tis_cap > 0 or (a.kl_in_reward and a.kl_coef > 0)
-            old_logps = _score_all(lambda mb: _forward(policy, mb, T)[0], batch, micro) if reuse else None
+            old_logps = _score_all(lambda mb: _forward(policy, mb, T, group_size=share)[0], batch, micro) if reuse else None
             adv_rewards = rewards  # what the sequence-level estimators (grpo, rloo) see
             if a.kl_in_reward and a.kl_coef > 0:
                 kl_tok = kl_estimate(old_logps, ref_logps, a.kl_estimator)
@@ -420,16 +432,19 @@ def train(cfg: Config) -> RunResult:
 
             # ---- 7. updates: ppo_epochs x mini_batches optimizer steps
             n_rows = batch.size
-            mb_rows = math.ceil(n_rows / a.mini_batches)
+            mb_rows = math.ceil(n_rows // G / a.mini_batches) * G  # whole groups per mini-batch
             for _epoch in range(a.ppo_epochs):
-                perm = torch.randperm(n_rows, device=device) if a.mini_batches > 1 else torch.arange(n_rows, device=device)
+                perm = torch.arange(n_rows, device=device)
+                if a.mini_batches > 1:  # shuffle whole groups, so micro-batches keep their shared prompts
+                    n_groups = n_rows // G
+                    perm = (torch.randperm(n_groups, device=device).unsqueeze(-1) * G + torch.arange(G, device=device)).flatten()
                 for mb_start in range(0, n_rows, mb_rows):
                     idx = perm[mb_start : mb_start + mb_rows]
                     normalizer = aggregate_count(mask[idx], a.loss_agg, max_len=ro.max_new_tokens)
                     for s in micro_slices(len(idx), micro):
                         rows = idx[s]
                         mb = batch.rows(rows)
-                        logps, ent = _forward(policy, mb, T, with_entropy=True, entropy_grad=a.entropy_coef > 0)
+                        logps, ent = _forward(policy, mb, T, group_size=share, with_entropy=True, entropy_grad=a.entropy_coef > 0)
                         old = old_logps[rows] if old_logps is not None else logps.detach()
                         loss_tok, info = actor_token_loss(
                             a, logps, ent, old, advantages[rows], mb["response_mask"],

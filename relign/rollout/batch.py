@@ -22,6 +22,7 @@ class RolloutBatch:
     sampling_logps: torch.Tensor  # [N, L] float: engine log-probs on response tokens, 0 elsewhere
     token_rewards: torch.Tensor  # [N, L] float: per-token rewards (turn rewards on turn ends)
     last_token: torch.Tensor  # [N] long: column of each row's last model token
+    prompt_lens: torch.Tensor  # [N] long: prompt tokens at the start of each row
 
     @property
     def size(self) -> int:
@@ -32,6 +33,7 @@ class RolloutBatch:
             "input_ids": self.input_ids[idx],
             "attention_mask": self.attention_mask[idx],
             "response_mask": self.response_mask[idx],
+            "prompt_lens": self.prompt_lens[idx],
         }
 
 
@@ -57,6 +59,7 @@ def build_batch(episodes: list[Episode], pad_id: int, device: torch.device | str
     return RolloutBatch(
         input_ids=ids.to(device), attention_mask=attn.to(device), response_mask=rmask.to(device),
         sampling_logps=slog.to(device), token_rewards=rew.to(device), last_token=last.to(device),
+        prompt_lens=torch.tensor([len(e.prompt_ids) for e in episodes], dtype=torch.long, device=device),
     )
 
 

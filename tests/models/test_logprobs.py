@@ -95,3 +95,38 @@ def test_target_mask_scores_only_targets_and_matches_full(tiny_model_dir, temper
     assert (part[~target[:, :].bool() & ~(target.any(0).expand_as(target).bool())] == 0).all()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, full_grads[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_shared_prefix_equals_full_rows(tiny_model_dir):
+    """Groups of rows sharing a prompt: computing the prompt once gives the full rows' log-probs,
+    entropies and gradients (prompts and responses of different lengths, right padding)."""
+    from transformers import AutoModelForCausalLM
+
+    from relign.models.logprobs import shared_prefix_token_logps, token_logps
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    g = torch.Generator().manual_seed(0)
+    G, prompts = 3, [[5, 6, 7, 8, 9], [10, 11, 12]]
+    rows, plens = [], []
+    for p in prompts:
+        for k in range(G):
+            rows.append(p + torch.randint(3, 1000, (2 + 2 * k,), generator=g).tolist())
+            plens.append(len(p))
+    N, L = len(rows), max(map(len, rows))
+    ids = torch.zeros(N, L, dtype=torch.long)
+    attn = torch.zeros(N, L, dtype=torch.long)
+    resp = torch.zeros(N, L)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        attn[i, : len(r)] = 1
+        resp[i, plens[i] : len(r)] = 1
+    full, full_ent = token_logps(model, ids, attention_mask=attn, with_entropy=True, temperature=0.7)
+    (-(full * resp).sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    shared, shared_ent = shared_prefix_token_logps(model, ids, attn, torch.tensor(plens), G, with_entropy=True, temperature=0.7)
+    (-(shared * resp).sum()).backward()
+    torch.testing.assert_close(shared, full * resp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared_ent, full_ent * resp, atol=1e-5, rtol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], atol=1e-5, rtol=1e-4, msg=n)

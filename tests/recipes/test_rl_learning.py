@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from relign.config import load_config
 from relign.recipes import rl
@@ -31,3 +32,21 @@ def test_ppo_with_critic_learns(tiny_model_dir, tmp_path):
     )
     first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
     assert first < 0.35 and last > first + 0.4, rewards
+
+
+def test_shared_prompt_forwards_do_not_change_the_step(tiny_model_dir, tmp_path):
+    """share_prompt computes each group's prompt once; losses, KL and rewards stay the same."""
+    from relign.recipes import rl as rl_recipe
+
+    def run(share, sub):
+        cfg = load_config(rl_recipe.Config, None, [
+            *toy_overrides(tiny_model_dir, tmp_path / sub, fn="graded"), f"run_dir={tmp_path / sub / 'run'}",
+            "checkpoint.save_final=false", "traces_per_step=0", "rollout.n=4", "prompts_per_step=4", "micro_batch_size=8",
+            "max_steps=3", "algorithm.kl_coef=0.1", "algorithm.mini_batches=2", "optim.lr=1e-3", f"share_prompt={share}",
+        ])
+        return [(r["reward/mean"], r["actor/loss"], r["actor/kl"]) for r in rl_recipe.train(cfg).history if "reward/mean" in r]
+
+    a, b = run("true", "a"), run("false", "b")
+    assert len(a) == 3
+    for x, y in zip(a, b):
+        assert x == pytest.approx(y, abs=1e-5)
