@@ -232,10 +232,16 @@ def _forward(model, mb: dict[str, torch.Tensor], temperature: float, *, group_si
             model, mb["input_ids"], mb["attention_mask"], mb["prompt_lens"], group_size, temperature=temperature,
             with_entropy=with_entropy, entropy_grad=entropy_grad,
         )
-    return token_logps(
-        model, mb["input_ids"], attention_mask=mb["attention_mask"], temperature=temperature,
-        with_entropy=with_entropy, entropy_grad=entropy_grad, target_mask=mb["response_mask"],
+    # Rows are right-padded: cut the micro-batch to its longest row, and let causal attention
+    # ignore the trailing padding (no mask needed), then pad the results back to the batch width.
+    L = mb["input_ids"].shape[1]
+    width = int(mb["attention_mask"].sum(-1).max())
+    logps, ent = token_logps(
+        model, mb["input_ids"][:, :width], temperature=temperature, with_entropy=with_entropy,
+        entropy_grad=entropy_grad, target_mask=mb["response_mask"][:, :width],
     )
+    pad = lambda x: torch.nn.functional.pad(x, (0, L - width)) if x is not None else None  # noqa: E731
+    return pad(logps), pad(ent)
 
 
 @torch.no_grad()

@@ -59,8 +59,12 @@ def sample_tokens(
             drop[..., 0] = False  # the most likely token always stays (top_p = 0 means greedy-like)
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             masked = torch.full_like(masked, float("-inf")).scatter(-1, order, sorted_logits)
-        probs = torch.softmax(masked, dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        probs = logps_all.exp() if masked is scaled else torch.softmax(masked, dim=-1)
+        # Inverse-CDF sampling: one uniform per row. torch.multinomial draws per vocabulary
+        # entry and was the largest cost of a decode step after the forward on CPU.
+        cdf = probs.cumsum(-1)
+        u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+        tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
     return tokens, logps_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
