@@ -24,7 +24,9 @@ def _fmt(value: float) -> str:
     if math.isnan(value) or math.isinf(value):
         return str(value)
     a = abs(value)
-    if a >= 1e4 or a < 1e-3:
+    if 1e4 <= a < 1e9:
+        return f"{value:.0f}"
+    if a >= 1e9 or a < 1e-3:
         return f"{value:.2e}"
     return f"{value:.4g}"
 
