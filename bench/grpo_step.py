@@ -229,7 +229,12 @@ def worker_relign(a: argparse.Namespace) -> dict:
         "rss_after_imports_mb": rss_after_imports,
         "final_metrics": {k: v for k, v in result.metrics.items() if isinstance(v, (int, float, str))},
         "config": {
-            "overrides": overrides,
+            # machine-specific paths replaced by placeholders, so results can be committed
+            "overrides": [
+                o.replace(str(a.model), "<model>").replace(str(a.prompts), "<prompts.jsonl>")
+                .replace(str(THIS), "bench/grpo_step.py").replace(run_dir, "<run_dir>")
+                for o in overrides
+            ],
             "optimizer": type(opt).__name__ if opt else None,
             "optimizer_defaults": {k: (list(v) if isinstance(v, tuple) else v) for k, v in (opt.defaults.items() if opt else [])
                                    if k in ("lr", "betas", "eps", "fused", "foreach")},
