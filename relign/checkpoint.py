@@ -67,6 +67,13 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 # --------------------------------------------------------------------------- RNG
 
 
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch: the streams ``rng_state`` saves and restores."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def rng_state() -> dict[str, Any]:
     state = {
         "python": random.getstate(),

@@ -58,3 +58,12 @@ def build_scheduler(
 
 def warmup_steps_of(total_steps: int, warmup_steps: int, warmup_ratio: float) -> int:
     return warmup_steps if warmup_steps > 0 else int(round(warmup_ratio * total_steps))
+
+
+def clip_gradients(params, max_norm: float) -> float:
+    """Clip the global gradient norm to ``max_norm`` (0 = no clipping); returns the norm before
+    clipping as a float (gathered from FSDP's DTensor shards), possibly inf/NaN."""
+    norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm if max_norm > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)

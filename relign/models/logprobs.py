@@ -123,11 +123,12 @@ def token_logps(
             if logits.shape[1] == keep.numel():
                 B, T = input_ids.shape
                 lp = selective_log_softmax(logits, input_ids[:, keep + 1], chunk_tokens, temperature=temperature)
-                logps = lp.new_zeros(B, T).index_copy(1, keep + 1, lp)
+                on = target_mask[:, keep + 1].to(lp.dtype)  # kept columns are shared by the rows: zero the others' non-targets
+                logps = lp.new_zeros(B, T).index_copy(1, keep + 1, lp * on)
                 ent = None
                 if with_entropy:
                     e = entropy_from_logits(logits if entropy_grad else logits.detach(), chunk_tokens, temperature=temperature)
-                    ent = e.new_zeros(B, T).index_copy(1, keep + 1, e)
+                    ent = e.new_zeros(B, T).index_copy(1, keep + 1, e * on)
                 return logps, ent
             # a model that ignores index-tensor logits_to_keep: fall through to the full path
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import time
 from dataclasses import dataclass, field
 
@@ -33,7 +32,7 @@ from ..algorithms import shaping
 from ..algorithms.aggregation import MODES, aggregate, aggregate_count
 from ..algorithms.kl import kl_estimate, kl_penalty_rewards
 from ..algorithms.policy_losses import entropy_bonus_loss, gspo_loss, ppo_clip_loss, truncated_is_weights, value_loss
-from ..checkpoint import load_checkpoint, load_model_weights, resolve_resume, save_checkpoint
+from ..checkpoint import load_checkpoint, load_model_weights, resolve_resume, save_checkpoint, seed_everything
 from ..config import (
     CheckpointConfig,
     ConfigError,
@@ -48,7 +47,7 @@ from ..data.collate import StepSampler
 from ..models.loading import apply_lora, load_causal_lm, load_tokenizer, resolve_device, trainable_parameters
 from ..models.logprobs import shared_prefix_token_logps, token_logps
 from ..models.value import ValueModel
-from ..optim import build_optimizer, build_scheduler, warmup_steps_of
+from ..optim import build_optimizer, build_scheduler, clip_gradients, warmup_steps_of
 from ..rollout.batch import RolloutBatch, build_batch, micro_slices
 from ..rollout.engine import SamplingParams
 from ..rollout.hf_engine import HFEngine
@@ -304,9 +303,7 @@ def train(cfg: Config) -> RunResult:
     if distributed.world_size() > 1:
         raise ConfigError("relign rl runs on one process for now (torchrun support is planned)")
     device = resolve_device(cfg.device)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    seed_everything(cfg.seed)
     run_dir = make_run_dir(cfg.run_dir, "rl")
     save_resolved_config(cfg, run_dir)
     a, ro, m = cfg.algorithm, cfg.rollout, cfg.model
@@ -447,6 +444,7 @@ def train(cfg: Config) -> RunResult:
                 for mb_start in range(0, n_rows, mb_rows):
                     idx = perm[mb_start : mb_start + mb_rows]
                     normalizer = aggregate_count(mask[idx], a.loss_agg, max_len=ro.max_new_tokens)
+                    finite = True  # NaN guard: every micro-batch loss of this update must be finite
                     for s in micro_slices(len(idx), micro):
                         rows = idx[s]
                         mb = batch.rows(rows)
@@ -461,6 +459,7 @@ def train(cfg: Config) -> RunResult:
                         loss = aggregate(loss_tok, mb["response_mask"], a.loss_agg, normalizer, max_len=ro.max_new_tokens)
                         loss.backward()
                         stats.setdefault("actor/loss", []).append(loss.item())
+                        finite = finite and math.isfinite(stats["actor/loss"][-1])
                         _acc(stats, "actor/entropy", ent.detach(), mb["response_mask"])
                         _acc(stats, "actor/clip_frac", info["clipped"], mb["response_mask"])
                         if old_logps is None:  # one update: these are still the sampling policy's log-probs
@@ -470,12 +469,12 @@ def train(cfg: Config) -> RunResult:
                             vl = value_loss(v, values[rows], returns[rows], clip=cfg.critic.value_clip or None)
                             aggregate(vl, mb["response_mask"], "token-mean", aggregate_count(mask[idx], "token-mean")).backward()
                             _acc(stats, "critic/value_loss", vl.detach(), mb["response_mask"])
-                    gn = torch.nn.utils.clip_grad_norm_(trainable_parameters(policy), o.max_grad_norm if o.max_grad_norm > 0 else float("inf"))
-                    ok = bool(torch.isfinite(gn)) and all(math.isfinite(x) for x in stats["actor/loss"][-len(micro_slices(len(idx), micro)):])
+                    gn = clip_gradients(trainable_parameters(policy), o.max_grad_norm)
+                    ok = finite and math.isfinite(gn)
                     if critic is not None:
-                        cgn = torch.nn.utils.clip_grad_norm_(critic.parameters(), o.max_grad_norm if o.max_grad_norm > 0 else float("inf"))
-                        ok = ok and bool(torch.isfinite(cgn))
-                        stats.setdefault("critic/grad_norm", []).append(float(cgn))
+                        cgn = clip_gradients(critic.parameters(), o.max_grad_norm)
+                        ok = ok and math.isfinite(cgn)
+                        stats.setdefault("critic/grad_norm", []).append(cgn)
                     if ok:
                         optimizer.step()
                         if critic_opt is not None:
@@ -485,7 +484,7 @@ def train(cfg: Config) -> RunResult:
                         bad_in_a_row += 1
                         stats.setdefault("train/skipped_updates", []).append(1.0)
                         tracker.write(f"step {step}: non-finite loss or gradient, update skipped ({bad_in_a_row} in a row)")
-                    stats.setdefault("actor/grad_norm", []).append(float(gn))
+                    stats.setdefault("actor/grad_norm", []).append(gn)
                     stats.setdefault("actor/lr", []).append(scheduler.get_last_lr()[0])
                     scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
@@ -552,7 +551,7 @@ def _write_traces(path, tok, groups, batch: RolloutBatch, advantages: torch.Tens
                 "prompt": g.prompt_text, "response": e.text, "reward": e.reward, "score": e.score,
                 "components": e.components, "advantage": float(advantages[i, cols].mean()) if cols else 0.0,
                 "finish_reason": e.finish_reason, "length": len(e.response_ids), "extra_info": _jsonable(g.extra_info),
-                "tokens": [tok.decode([t]) for t in e.response_ids],
+                "tokens": tok.batch_decode([[t] for t in e.response_ids]),  # one call, not one per token
                 "token_mask": e.response_mask,
                 "logps": [round(x, 4) for x in e.sampling_logps],
                 "token_advantages": [round(float(advantages[i, start + j]), 4) for j in range(len(e.response_ids))],

@@ -15,11 +15,9 @@ number of ranks do not change the result.
 from __future__ import annotations
 
 import math
-import random
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from .. import distributed
@@ -32,6 +30,7 @@ from ..checkpoint import (
     resolve_resume,
     restore_optimizer,
     save_checkpoint,
+    seed_everything,
 )
 from ..config import (
     CheckpointConfig,
@@ -48,7 +47,7 @@ from ..data.collate import StepSampler, chunks, pack_collate, pad_collate, shard
 from ..data.sft import TRUNCATION, SFTExample, build_sft_examples
 from ..models.loading import apply_lora, load_causal_lm, load_tokenizer, resolve_device, trainable_parameters
 from ..models.logprobs import token_logps
-from ..optim import build_optimizer, build_scheduler, warmup_steps_of
+from ..optim import build_optimizer, build_scheduler, clip_gradients, warmup_steps_of
 from ..tracking import Tracker, read_metrics
 from . import RunResult
 
@@ -105,12 +104,6 @@ def _check(cfg: Config) -> None:
         raise ConfigError(
             f"batch_size={cfg.batch_size} must be a multiple of micro_batch_size x ranks = {cfg.micro_batch_size} x {ws}"
         )
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def _collate(examples: list[SFTExample], packing: bool, pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -198,7 +191,7 @@ def train(cfg: Config) -> RunResult:
     _check(cfg)
     device = resolve_device(cfg.device)
     rank, world = distributed.rank(), distributed.world_size()
-    _seed_everything(cfg.seed)
+    seed_everything(cfg.seed)
     run_dir = make_run_dir(cfg.run_dir, "sft")
     if distributed.is_main():
         save_resolved_config(cfg, run_dir)
@@ -266,9 +259,7 @@ def train(cfg: Config) -> RunResult:
             model, mine, micro_batch_size=cfg.micro_batch_size, packing=cfg.packing, loss_agg=cfg.loss_agg,
             pad_id=pad_id, device=device,
         )
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm if o.max_grad_norm > 0 else float("inf"))
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = clip_gradients(params, o.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -278,7 +269,7 @@ def train(cfg: Config) -> RunResult:
         seconds = time.perf_counter() - t0
         metrics = {
             "train/loss": distributed.all_reduce_sum(loss_sum).item(),
-            "train/grad_norm": float(grad_norm),
+            "train/grad_norm": grad_norm,
             "train/lr": lr,
             "train/epoch": sampler.epoch + sampler.position / max(1, sampler.n),
             "perf/tokens": tokens.item(),

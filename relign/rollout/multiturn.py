@@ -84,6 +84,7 @@ def run_episodes(
     turn_params = SamplingParams(**{**params.__dict__, "n": 1, "seed": None})
     episodes = [Episode(prompt_ids=list(p), extra_info=dict(info)) for p, info in zip(prompts, extra_infos) for _ in range(n)]
     states = [tokenizer.decode(e.prompt_ids) for e in episodes]
+    prompt_chars = [len(st) for st in states]
     live = list(range(len(episodes)))
     for turn in range(max_turns):
         if not live:
@@ -152,8 +153,9 @@ def run_episodes(
             states[i] = nxt
             still.append(i)
         live = still
+    still_live = set(live)
     for i, e in enumerate(episodes):
-        if i in set(live) and e.finish_reason == "stop":
+        if i in still_live and e.finish_reason == "stop":
             e.finish_reason = "max_turns"
-        e.text = states[i][len(tokenizer.decode(e.prompt_ids)):]
+        e.text = states[i][prompt_chars[i]:]
     return [episodes[k * n : (k + 1) * n] for k in range(len(prompts))]
