@@ -19,6 +19,7 @@ USAGE = """usage: relign COMMAND [CONFIG.yaml] [key.sub=value ...]
 
 Commands:
 {recipes}
+  report RUN_DIR  Write RUN_DIR/report.html: metric plots, rollout traces, eval samples.
   tiny-model OUT_DIR [--arch qwen2|llama] [--size micro|tiny|small|base] [--seed N]
                   Build a small random model with a locally trained tokenizer.
 
@@ -78,6 +79,20 @@ def split_args(argv: list[str]) -> tuple[str | None, list[str]]:
     return config_path, overrides
 
 
+def _report(argv: list[str]) -> int:
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print("usage: relign report RUN_DIR\n\nWrite RUN_DIR/report.html (one self-contained file, no network needed).")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    from .report import write_report
+
+    try:
+        path = write_report(argv[0])
+    except FileNotFoundError as e:
+        return _fail("report", f"not found: {e.filename or e}")
+    print(f"report: {path}")
+    return 0
+
+
 def run_recipe(command: str, argv: list[str]) -> int:
     module_name, summary = RECIPES[command]
     module = importlib.import_module(module_name)
@@ -108,8 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "tiny-model":
         return _tiny_model(rest)
+    if command == "report":
+        return _report(rest)
     if command not in RECIPES:
-        return _fail(command, f"unknown command; choose one of {', '.join([*RECIPES, 'tiny-model'])}")
+        return _fail(command, f"unknown command; choose one of {', '.join([*RECIPES, 'report', 'tiny-model'])}")
     return run_recipe(command, rest)
 
 

@@ -9,7 +9,12 @@ from typing import Any
 # name -> (module, one-line summary); the CLI imports the module only when it is used.
 RECIPES: dict[str, tuple[str, str]] = {
     "sft": ("relign.recipes.sft", "Supervised fine-tuning on prompt/response, chat or plain-text records."),
+    "rm": ("relign.recipes.reward_model", "Bradley-Terry reward model on chosen/rejected pairs."),
+    "dpo": ("relign.recipes.preference", "Preference optimization: DPO, IPO, DPOP, SimPO, ORPO, KTO, step-wise DPO."),
+    "verifier": ("relign.recipes.verifier", "Generative verifier (GenRM): SFT on graded solutions, score = P(Yes)."),
     "rl": ("relign.recipes.rl", "RL with verifiable rewards: PPO, GRPO, Dr. GRPO, DAPO, GSPO, RLOO, REINFORCE++."),
+    "eval": ("relign.evaluate", "Evaluate a model on a task: accuracy, pass@k, maj@k, lengths."),
+    "demo": ("relign.recipes.demo", "The whole pipeline on a laptop CPU: tiny model, SFT warm start, GRPO, before/after eval."),
 }
 
 
