@@ -199,8 +199,10 @@ def shared_prefix_token_logps(
     lp = selective_log_softmax(logits, resp_ids, chunk_tokens, temperature=temperature)  # [N, R]
     ent = entropy_from_logits(logits if entropy_grad else logits.detach(), chunk_tokens, temperature=temperature) if with_entropy else None
     # back to the full-row layout
-    cols = (torch.tensor(plen, device=dev).unsqueeze(-1) + torch.arange(R, device=dev).unsqueeze(0)).clamp_max(L - 1)
+    # Padding positions of a row with a short prompt can point past column L - 1: scatter into a
+    # wider buffer and cut it, so they never land on (and overwrite) a real token's column.
+    cols = torch.tensor(plen, device=dev).unsqueeze(-1) + torch.arange(R, device=dev).unsqueeze(0)
     keep = resp_mask.bool()
-    logps = lp.new_zeros(N, L).scatter(1, cols, lp * keep)
-    entropy = ent.new_zeros(N, L).scatter(1, cols, ent * keep) if ent is not None else None
+    logps = lp.new_zeros(N, L + R).scatter(1, cols, lp * keep)[:, :L]
+    entropy = ent.new_zeros(N, L + R).scatter(1, cols, ent * keep)[:, :L] if ent is not None else None
     return logps, entropy

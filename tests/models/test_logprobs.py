@@ -108,9 +108,11 @@ def test_shared_prefix_equals_full_rows(tiny_model_dir):
     g = torch.Generator().manual_seed(0)
     G, prompts = 3, [[5, 6, 7, 8, 9], [10, 11, 12]]
     rows, plens = [], []
-    for p in prompts:
+    for gi, p in enumerate(prompts):
         for k in range(G):
-            rows.append(p + torch.randint(3, 1000, (2 + 2 * k,), generator=g).tolist())
+            # the longest row (long prompt) is not the longest response (short prompt): its
+            # padding then points past the batch width, which once overwrote its last token
+            rows.append(p + torch.randint(3, 1000, (4 + 2 * k + gi,), generator=g).tolist())
             plens.append(len(p))
     N, L = len(rows), max(map(len, rows))
     ids = torch.zeros(N, L, dtype=torch.long)
