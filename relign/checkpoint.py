@@ -178,6 +178,9 @@ def save_checkpoint(
     if keep_last > 0:
         for old_step, path in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(path, ignore_errors=True)
+    from .report import refresh_report  # here, not at the top: report reads checkpoints
+
+    refresh_report(run_dir)  # the run's page follows its checkpoints (never raises)
     return final
 
 

@@ -94,6 +94,44 @@ class DataConfig:
 
 
 @dataclass
+class PreferenceDataConfig:
+    path: str = ""
+    """Preference records (same formats as SFT data): pairs with prompt/chosen/rejected, or KTO rows."""
+    split: str = "train"
+    """Split to read from a dataset folder or hub id."""
+    eval_path: str = ""
+    """Held-out records; empty means hold out data.eval_fraction of the training rows."""
+    eval_split: str = ""
+    """Split for eval_path (defaults to data.split)."""
+    eval_fraction: float = 0.0
+    """Fraction of training rows held out for eval when eval_path is empty."""
+    max_length: int = 1024
+    """Longest prompt + response in tokens (each of chosen and rejected)."""
+    truncation: str = "truncate"
+    """Too-long rows: 'truncate' keeps the prompt and cuts the response; 'drop' drops the pair."""
+    skip_bad_rows: bool = False
+    """Skip and count malformed rows instead of stopping with an error."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt (text or messages)."""
+    chosen_key: str = "chosen"
+    """Field holding the preferred response (text, or a conversation ending with it)."""
+    rejected_key: str = "rejected"
+    """Field holding the dispreferred response."""
+    prefix_key: str = "prefix"
+    """Step-wise DPO: field with the reasoning steps both responses continue ('initial_reason_steps' also works)."""
+    completion_key: str = "completion"
+    """KTO: field holding the response of an unpaired row."""
+    label_key: str = "label"
+    """KTO: field holding true (desirable) or false (undesirable)."""
+    chat_template: bool = True
+    """Wrap text prompts in the tokenizer's chat template (message prompts always are)."""
+    system_prompt: str = ""
+    """System message for rows that have none."""
+    max_rows: int = 0
+    """Read at most this many rows (0 = all)."""
+
+
+@dataclass
 class OptimConfig:
     lr: float = 1e-5
     """Peak learning rate (AdamW)."""

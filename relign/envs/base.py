@@ -19,6 +19,10 @@ returning a number, or ``{"reward": float, "score": float, "components": {name: 
 ``reward`` trains, ``score`` is logged as accuracy. The built-in tasks return
 ``reward = correct + format_weight * format``, ``score = correct`` and
 ``components = {"correct": ..., "format": ...}`` (``combine``).
+
+For majority voting (maj@k, ``relign.evaluate``) a task may also name, by spec, a final-answer
+extractor ``fn(response, extra_info) -> str | None`` and an equivalence check ``fn(a, b) -> bool``
+(``Task.extract_spec`` / ``Task.equal_spec``); the built-in tasks do.
 """
 
 from __future__ import annotations
@@ -194,6 +198,11 @@ class Task:
     """True: records hold ``messages`` (optional system + user); False: a raw ``prompt`` string."""
     system_prompt: str | None = None
     """Chat: the system message. Raw text: prepended to the prompt, followed by a blank line."""
+    extract_spec: str | None = None
+    """The final-answer extractor by spec, ``fn(response, extra_info) -> str | None``, used by
+    majority voting (maj@k); None: the task has none and maj@k is not reported."""
+    equal_spec: str | None = None
+    """Answer equivalence by spec, ``fn(a, b) -> bool`` on two extracted answers; None: ``a == b``."""
 
     @property
     def format_weight(self) -> float:
@@ -243,6 +252,25 @@ class Task:
     def reward(self, prompt: str, response: str, extra_info: dict) -> float | dict:
         """Score one response in this process (no timeout: see ``RewardPool`` for that)."""
         return self.reward_fn(prompt, response, extra_info, **self.reward_kwargs)
+
+    def _spec_fn(self, key: str, spec: str) -> Callable[..., Any]:
+        fn = self.__dict__.get(key)
+        if fn is None:
+            fn = self.__dict__[key] = load_function(spec)
+        return fn
+
+    def extract_answer(self, response: str, extra_info: dict) -> str | None:
+        """The response's final answer as a string (None: it gives none, or the task has no extractor)."""
+        if self.extract_spec is None:
+            return None
+        out = self._spec_fn("_extract_fn", self.extract_spec)(response, extra_info)
+        return None if out is None else str(out)
+
+    def answers_equal(self, a: str, b: str) -> bool:
+        """Whether two extracted answers are the same answer (the task's check, else string equality)."""
+        if self.equal_spec is None:
+            return a == b
+        return bool(self._spec_fn("_equal_fn", self.equal_spec)(a, b))
 
 
 def make_custom_task(
@@ -309,6 +337,8 @@ def builtin_task(
     chat: bool = False,
     system_prompt: str | None = None,
     split: str = "test",
+    extract_spec: str | None = None,
+    equal_spec: str | None = None,
 ) -> Task:
     """A built-in task: its reward is ``correct + format_weight * format`` (``combine``)."""
     return Task(
@@ -321,6 +351,8 @@ def builtin_task(
         split=split,
         chat=chat,
         system_prompt=system_prompt,
+        extract_spec=extract_spec,
+        equal_spec=equal_spec,
     )
 
 

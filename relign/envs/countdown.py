@@ -53,6 +53,25 @@ def check_expression(expr: str, nums: list[int], target: int | Fraction) -> bool
     return Counter(used) == Counter(Fraction(n) for n in nums) and value == Fraction(target)
 
 
+def final_answer(response: str, extra_info: dict) -> str | None:
+    """For voting: the exact value of the last ``<answer>`` expression (``"7/2"``, ``"24"``).
+
+    Many different expressions are correct, so samples vote on the value they reach, not on
+    their text. An expression that does not parse, or does not use exactly the given numbers,
+    gives None (it does not vote): then a value equal to the target is exactly a correct sample.
+    """
+    expr = extract_answer(response)
+    if expr is None:
+        return None
+    try:
+        value, used = analyze(expr, max_len=MAX_EXPR_LEN)
+    except ArithError:
+        return None
+    if Counter(used) != Counter(Fraction(n) for n in extra_info["nums"]):
+        return None
+    return str(value)  # Fraction's str is canonical ("3", "-7/2"), so string equality suffices
+
+
 def format_ok(response: str) -> bool:
     """Exactly one ``<answer>``, one ``</answer>``, in that order, with something inside."""
     if response.count("<answer>") != 1 or response.count("</answer>") != 1:
@@ -104,4 +123,5 @@ def parse_row(raw: dict, source: str, row: int) -> tuple[dict, dict]:
 
 def task(*, template: str = TEMPLATE, default_path: str = DEFAULT_PATH, **options: Any) -> Task:
     """The countdown task; ``options``: format_weight, chat, system_prompt, split (see ``builtin_task``)."""
-    return builtin_task(NAME, parse_row, "relign.envs.countdown:reward", template=template, default_path=default_path, **options)
+    return builtin_task(NAME, parse_row, "relign.envs.countdown:reward", template=template, default_path=default_path,
+                        extract_spec="relign.envs.countdown:final_answer", **options)

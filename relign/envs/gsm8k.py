@@ -98,6 +98,18 @@ def _canonical(value: Decimal) -> str:
     return "0" if text in ("-0", "0") else text
 
 
+def final_answer(response: str, extra_info: dict | None = None) -> str | None:
+    """The response's answer as a canonical decimal string (``"#### 1,234.0"`` -> ``"1234"``), for voting."""
+    value = extract_answer(response)
+    return None if value is None else _canonical(value)
+
+
+def same_answer(a: str, b: str) -> bool:
+    """Two ``final_answer`` strings are the same number (within the grading tolerance)."""
+    x, y = parse_number(a), parse_number(b)
+    return x is not None and y is not None and abs(x - y) <= Decimal(str(TOLERANCE))
+
+
 def parse_row(raw: dict, source: str, row: int) -> tuple[dict, dict]:
     for key in ("question", "answer"):
         if not isinstance(raw.get(key), (str, int, float)) or isinstance(raw.get(key), bool):
@@ -112,4 +124,5 @@ def parse_row(raw: dict, source: str, row: int) -> tuple[dict, dict]:
 
 def task(*, template: str = TEMPLATE, default_path: str = DEFAULT_PATH, **options: Any) -> Task:
     """The gsm8k task; ``options``: format_weight, chat, system_prompt, split (see ``builtin_task``)."""
-    return builtin_task(NAME, parse_row, "relign.envs.gsm8k:reward", template=template, default_path=default_path, **options)
+    return builtin_task(NAME, parse_row, "relign.envs.gsm8k:reward", template=template, default_path=default_path,
+                        extract_spec="relign.envs.gsm8k:final_answer", equal_spec="relign.envs.gsm8k:same_answer", **options)

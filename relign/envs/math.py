@@ -139,6 +139,17 @@ def reward(prompt: str, response: str, extra_info: dict, *, format_weight: float
     return combine(correct, float(format_ok(response)), format_weight)
 
 
+def final_answer(response: str, extra_info: dict | None = None) -> str | None:
+    """The content of the response's last ``\\boxed{}`` (None if it has no non-empty one), for voting."""
+    return last_boxed(response) or None
+
+
+def same_answer(a: str, b: str) -> bool:
+    """Two boxed answers are equivalent: equal strings, else math_verify with ``a`` in the
+    gold role (math_verify is not exactly symmetric; voting passes a cluster's first answer as ``a``)."""
+    return a == b or is_equivalent(a, b)
+
+
 def parse_row(raw: dict, source: str, row: int) -> tuple[dict, dict]:
     if not isinstance(raw.get("problem"), str):
         raise DataError(source, row, "problem", "missing" if raw.get("problem") is None else "expected a string")
@@ -160,4 +171,5 @@ def parse_row(raw: dict, source: str, row: int) -> tuple[dict, dict]:
 
 def task(*, template: str = TEMPLATE, default_path: str = DEFAULT_PATH, **options: Any) -> Task:
     """The math task; ``options``: format_weight, chat, system_prompt, split (see ``builtin_task``)."""
-    return builtin_task(NAME, parse_row, "relign.envs.math:reward", template=template, default_path=default_path, **options)
+    return builtin_task(NAME, parse_row, "relign.envs.math:reward", template=template, default_path=default_path,
+                        extract_spec="relign.envs.math:final_answer", equal_spec="relign.envs.math:same_answer", **options)

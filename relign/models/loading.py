@@ -117,14 +117,17 @@ def load_causal_lm(
     return model
 
 
-def apply_lora(model, *, r: int, alpha: int, dropout: float, target_modules: list[str] | str) -> Any:
-    """Wrap ``model`` with a peft LoRA adapter; only the adapter is trainable."""
+def apply_lora(model, *, r: int, alpha: int, dropout: float, target_modules: list[str] | str, task_type: str = "CAUSAL_LM",
+               modules_to_save: list[str] | None = None) -> Any:
+    """Wrap ``model`` with a peft LoRA adapter; only the adapter (and ``modules_to_save``, e.g. a
+    reward model's new ``score`` head) is trainable."""
     from peft import LoraConfig, get_peft_model
 
     targets: Any = list(target_modules)
     if targets == ["all-linear"]:
         targets = "all-linear"
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type=task_type,
+                        modules_to_save=modules_to_save)
     if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
         # Frozen embeddings produce inputs without grad; checkpointed blocks then see no
         # grad path into the adapters unless the inputs require grad.

@@ -52,6 +52,7 @@ from ..rollout.batch import RolloutBatch, build_batch, micro_slices
 from ..rollout.engine import SamplingParams
 from ..rollout.hf_engine import HFEngine
 from ..rollout.collect import RolloutCollector
+from ..evaluate import EvalDuringTrainingConfig, PeriodicEval, check_eval_during_training
 from ..tracking import Tracker, read_metrics
 from . import RunResult
 
@@ -163,6 +164,22 @@ class AlgorithmConfig:
 
 
 @dataclass
+class LearnedRewardConfig:
+    model: str = ""
+    """A trained reward model (relign rm) or generative verifier (relign verifier) checkpoint; empty = rule reward only."""
+    kind: str = "auto"
+    """auto (sequence-classification checkpoint -> rm, causal LM -> verifier), rm or verifier."""
+    weight: float = 1.0
+    """Weight of the learned reward in reward = rule_weight * rule + weight * model."""
+    rule_weight: float = 1.0
+    """Weight of the task's rule-based reward (0: the learned reward alone)."""
+    batch_size: int = 16
+    """Completions per scoring forward pass."""
+    max_length: int = 2048
+    """Longest (problem + response) the scorer reads, in tokens (longer inputs keep their end)."""
+
+
+@dataclass
 class CriticConfig:
     path: str = ""
     """Critic backbone (empty: the policy's model.path)."""
@@ -179,9 +196,11 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    reward: LearnedRewardConfig = field(default_factory=LearnedRewardConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, schedule="constant"))
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalDuringTrainingConfig = field(default_factory=EvalDuringTrainingConfig)
     run_dir: str = ""
     """Where config.yaml, metrics.jsonl, rollouts/ and checkpoints/ go (empty: runs/rl-<time>)."""
     resume: str = "none"
@@ -212,6 +231,9 @@ def _check(cfg: Config) -> None:
     check_choice("algorithm.loss_agg", a.loss_agg, MODES)
     check_choice("algorithm.kl_estimator", a.kl_estimator, ("k1", "k2", "k3"))
     check_choice("algorithm.overlong", a.overlong, ("none", "penalty", "mask"))
+    check_choice("reward.kind", cfg.reward.kind, ("auto", "rm", "verifier"))
+    if cfg.reward.model and (cfg.task.env or cfg.task.name == "calculator"):
+        raise ConfigError("reward.model scores single-turn completions; it cannot be combined with a multi-turn task.env")
     if a.advantage in ("grpo", "rloo", "gdpo", "reinforce_pp_baseline") and cfg.rollout.n < 2:
         raise ConfigError(f"algorithm.advantage={a.advantage} compares samples of a prompt: set rollout.n >= 2")
     if a.overlong == "penalty" and not 0 <= a.overlong_cache <= cfg.rollout.max_new_tokens:
@@ -220,6 +242,7 @@ def _check(cfg: Config) -> None:
         )
     if cfg.prompts_per_step < 1 or cfg.micro_batch_size < 1 or a.mini_batches < 1 or a.ppo_epochs < 1:
         raise ConfigError("prompts_per_step, micro_batch_size, algorithm.mini_batches and algorithm.ppo_epochs must be >= 1")
+    check_eval_during_training(cfg.eval, task=cfg.task.name, env=cfg.task.env)
 
 
 def _forward(model, mb: dict[str, torch.Tensor], temperature: float, *, group_size: int = 0, with_entropy=False,
@@ -329,13 +352,30 @@ def train(cfg: Config) -> RunResult:
     t = cfg.task
     sampling = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, max_new_tokens=ro.max_new_tokens,
                               min_new_tokens=ro.min_new_tokens, stop=list(ro.stop), ignore_eos=ro.ignore_eos)
+    scorer = None
+    if cfg.reward.model:  # a learned reward: a second model, scoring completions in batches
+        from ..models.reward import load_scorer
+
+        rw = cfg.reward
+        try:
+            scorer = load_scorer(rw.model, rw.kind, device=device, batch_size=rw.batch_size, max_length=rw.max_length,
+                                 dtype=m.dtype, trust_remote_code=m.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"reward.model={rw.model}: {e}") from None
     runner = RolloutCollector(
         tok, engine, task=t.name, path=t.path, split=t.split, max_rows=t.max_rows, chat=t.chat, system_prompt=t.system_prompt,
         max_prompt_length=t.max_prompt_length, format_weight=t.format_weight, reward_fn=t.reward_fn,
         reward_timeout=t.reward_timeout, reward_workers=t.reward_workers, env=t.env, sampling=sampling,
         max_turns=ro.max_turns, max_response_tokens=ro.max_response_tokens, seed=cfg.seed,
+        scorer=scorer, scorer_weight=cfg.reward.weight, rule_weight=cfg.reward.rule_weight,
     )
     sampler = StepSampler(len(runner), cfg.prompts_per_step, seed=cfg.seed)
+    # held-out accuracy every eval.every steps, on the task's test problems (relign/evaluate.py)
+    evaluator = PeriodicEval(
+        cfg.eval, tok, run_dir, task=t.name, chat=t.chat, system_prompt=t.system_prompt, format_weight=t.format_weight,
+        reward_fn=t.reward_fn, reward_workers=t.reward_workers, reward_timeout=t.reward_timeout,
+        max_prompt_length=t.max_prompt_length, max_new_tokens=ro.max_new_tokens, stop=ro.stop, seed=cfg.seed,
+    ) if cfg.eval.every else None
     opt_steps = cfg.max_steps * a.ppo_epochs * a.mini_batches
     o = cfg.optim
     optimizer = build_optimizer(policy, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps)
@@ -513,6 +553,8 @@ def train(cfg: Config) -> RunResult:
             }
             if "actor/kl" not in metrics:
                 metrics["actor/kl"] = 0.0
+            if evaluator is not None and evaluator.due(step, cfg.max_steps):  # held-out accuracy of the updated policy
+                metrics.update(evaluator(policy, engine, step, write=tracker.write))
             tracker.log(step, metrics)
             if cfg.traces_per_step:
                 _write_traces(run_dir / "rollouts" / f"step_{step}.jsonl", tok, groups, batch, advantages, cfg.traces_per_step)
@@ -528,6 +570,8 @@ def train(cfg: Config) -> RunResult:
                 save(cfg.max_steps)
     finally:
         runner.close()
+        if evaluator is not None:
+            evaluator.close()
         tracker.close()
     return RunResult(run_dir=run_dir, steps=cfg.max_steps, metrics={**metrics, "status": status}, history=read_metrics(run_dir))
 
@@ -548,7 +592,7 @@ def _write_traces(path, tok, groups, batch: RolloutBatch, advantages: torch.Tens
             cols = batch.response_mask[i].nonzero().flatten().tolist()
             start = len(e.prompt_ids)
             rows.append({
-                "prompt": g.prompt_text, "response": e.text, "reward": e.reward, "score": e.score,
+                "prompt": g.prompt_text, "problem": g.problem, "response": e.text, "reward": e.reward, "score": e.score,
                 "components": e.components, "advantage": float(advantages[i, cols].mean()) if cols else 0.0,
                 "finish_reason": e.finish_reason, "length": len(e.response_ids), "extra_info": _jsonable(g.extra_info),
                 "tokens": tok.batch_decode([[t] for t in e.response_ids]),  # one call, not one per token

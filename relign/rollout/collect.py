@@ -28,6 +28,16 @@ class Group:
     prompt_ids: list[int]
     extra_info: dict[str, Any]
     episodes: list[Episode]
+    problem: str = ""
+    """The problem as the user wrote it (the last user message, or the raw prompt), without any chat markup."""
+
+
+def problem_text(rec: dict) -> str:
+    """What a learned reward (or a verifier) reads as the problem of an RL record."""
+    if "messages" in rec:
+        users = [m["content"] for m in rec["messages"] if m.get("role") == "user"]
+        return users[-1] if users else ""
+    return rec.get("prompt", "")
 
 
 def _load_records(task, path: str, split: str, max_rows: int, seed: int) -> list[dict]:
@@ -62,11 +72,16 @@ class RolloutCollector:
         max_turns: int = 1,
         max_response_tokens: int = 0,
         seed: int = 0,
+        scorer=None,
+        scorer_weight: float = 1.0,
+        rule_weight: float = 1.0,
     ):
         from ..envs.base import get_task, load_function
         from ..envs.rewards import RewardPool
 
         self.tok, self.engine, self.sampling = tokenizer, engine, sampling
+        # learned reward (reward model / verifier): reward = rule_weight * rule + scorer_weight * model
+        self.scorer, self.scorer_weight, self.rule_weight = scorer, scorer_weight, rule_weight
         self.max_turns = max_turns
         self.max_response_tokens = max_response_tokens or sampling.max_new_tokens * max_turns
         self.env = None
@@ -93,6 +108,7 @@ class RolloutCollector:
         records = _load_records(task_obj, path, split, max_rows, seed)
         # Render and tokenize every prompt once; prompts too long to leave room are skipped.
         self.records: list[tuple[str, list[int], dict]] = []
+        self.problems: list[str] = []
         self.skipped_long = 0
         for rec in records:
             text = self._render(rec)
@@ -101,6 +117,7 @@ class RolloutCollector:
                 self.skipped_long += 1
                 continue
             self.records.append((text, ids, rec.get("extra_info", {})))
+            self.problems.append(problem_text(rec))
         if not self.records:
             raise ConfigError(f"task '{task}': no prompt fits task.max_prompt_length={max_prompt_length}")
         self.pool = None
@@ -125,17 +142,30 @@ class RolloutCollector:
         texts = [self.records[i][0] for i in indices]
         ids = [self.records[i][1] for i in indices]
         infos = [self.records[i][2] for i in indices]
+        problems = [self.problems[i] for i in indices]
         if self.env is not None:
             eps = run_episodes(self.engine, self.tok, self.env, ids, infos, self.sampling,
                                max_turns=self.max_turns, max_response_tokens=self.max_response_tokens)
-            return [Group(t, p, info, g) for t, p, info, g in zip(texts, ids, infos, eps)]
+            return [Group(t, p, info, g, q) for t, p, info, g, q in zip(texts, ids, infos, eps, problems)]
         outs = self.engine.generate(ids, self.sampling)
-        groups = [Group(t, p, info, [episode_from_completion(p, c) for c in cs]) for t, p, info, cs in zip(texts, ids, infos, outs)]
+        groups = [Group(t, p, info, [episode_from_completion(p, c) for c in cs], q)
+                  for t, p, info, cs, q in zip(texts, ids, infos, outs, problems)]
         flat = [(g, e) for g in groups for e in g.episodes]
         results = self.pool.score([g.prompt_text for g, _ in flat], [e.text for _, e in flat], [g.extra_info for g, _ in flat])
         for (_, e), r in zip(flat, results):
             e.reward, e.score, e.components, e.reward_error = r.reward, r.score, dict(r.components), r.error
+        if self.scorer is not None:
+            self._add_learned_reward(flat)
         return groups
+
+    def _add_learned_reward(self, flat: list[tuple[Group, Episode]]) -> None:
+        """Score every completion with the learned reward in batches and mix it with the rule
+        reward; the rule's score (correctness) stays what is logged as accuracy."""
+        model_scores = self.scorer.score([g.problem for g, _ in flat], [e.text for _, e in flat])
+        for (_, e), s in zip(flat, model_scores):
+            rule = e.reward
+            e.reward = self.rule_weight * rule + self.scorer_weight * float(s)
+            e.components = {**e.components, "rule": rule, "model": float(s)}
 
     def collect(self, sampler: StepSampler, n_groups: int, dynamic: bool, max_rounds: int) -> list[Group]:
         """``n_groups`` groups for one step. With ``dynamic``, zero-variance groups are dropped

@@ -1,0 +1,82 @@
+"""What the reward-model and preference recipes share: reading pair data with its held-out
+split, collating pairs, and summed response log-probs with the prompt run once per pair."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..config import PreferenceDataConfig
+from ..data.preference import PairExample, UnpairedExample, build_pair_examples, build_unpaired_examples
+from ..models.logprobs import shared_prefix_token_logps, token_logps
+
+
+def load_examples(d: PreferenceDataConfig, tok, *, unpaired: bool = False, seed: int = 0, step_eos: bool = False):
+    """(train, eval, data metrics) from ``data.path`` and ``data.eval_path`` or a held-out fraction."""
+    common = dict(max_length=d.max_length, truncation=d.truncation, skip_bad_rows=d.skip_bad_rows, prompt_key=d.prompt_key,
+                  chosen_key=d.chosen_key, rejected_key=d.rejected_key, chat_template=d.chat_template,
+                  system_prompt=d.system_prompt, max_rows=d.max_rows)
+    if unpaired:
+        build = build_unpaired_examples
+        common.update(completion_key=d.completion_key, label_key=d.label_key)
+    else:
+        build = build_pair_examples
+        common.update(prefix_key=d.prefix_key, step_eos=step_eos)
+    train, stats = build(d.path, tok, split=d.split, **common)
+    metrics = stats.as_metrics()
+    held_out: list = []
+    if d.eval_path:
+        held_out, estats = build(d.eval_path, tok, split=d.eval_split or d.split, **common)
+        metrics.update(estats.as_metrics("data/eval_"))
+    elif d.eval_fraction > 0:
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
+        n_eval = max(1, int(len(train) * d.eval_fraction))
+        held_out = [train[i] for i in order[:n_eval]]
+        train = [train[i] for i in sorted(order[n_eval:])]
+    return train, held_out, metrics
+
+
+def _pad(rows: Sequence[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    T = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), T), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), T), dtype=torch.float32)
+    for i, (ids, mask) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attention_mask[i, : len(ids)] = 1
+        loss_mask[i, : len(ids)] = torch.tensor(mask, dtype=torch.float32)
+    return input_ids, attention_mask, loss_mask
+
+
+def collate_pairs(pairs: Sequence[PairExample], pad_id: int, device) -> dict[str, torch.Tensor]:
+    """Rows interleaved ``[c_0, r_0, c_1, r_1, ...]``, right-padded: one forward for the whole
+    micro-batch, and each consecutive two rows share a prompt (``prompt_lens``)."""
+    rows = [r for p in pairs for r in ((p.chosen_ids, p.chosen_mask), (p.rejected_ids, p.rejected_mask))]
+    input_ids, attention_mask, loss_mask = _pad(rows, pad_id)
+    prompt_lens = torch.tensor([p.prompt_len for p in pairs for _ in (0, 1)], dtype=torch.long)
+    margins = torch.tensor([p.margin for p in pairs], dtype=torch.float32)
+    out = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, "prompt_lens": prompt_lens,
+           "margins": margins}
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def collate_unpaired(examples: Sequence[UnpairedExample], pad_id: int, device) -> dict[str, torch.Tensor]:
+    input_ids, attention_mask, loss_mask = _pad([(e.input_ids, e.loss_mask) for e in examples], pad_id)
+    labels = torch.tensor([e.label for e in examples], dtype=torch.bool)
+    out = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, "labels": labels}
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def sequence_logps(model, mb: dict[str, torch.Tensor], *, share_prompt: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed response log-probs and response lengths, both [N] (fp32).
+
+    ``share_prompt`` (pairs only): the two rows of a pair run their common prompt once
+    (``shared_prefix_token_logps`` with groups of 2), which gives the same log-probs as the
+    full rows; otherwise the rows run whole and the LM head is applied to the targets only."""
+    mask = mb["loss_mask"]
+    if share_prompt:
+        logps, _ = shared_prefix_token_logps(model, mb["input_ids"], mb["attention_mask"], mb["prompt_lens"], 2)
+    else:
+        logps, _ = token_logps(model, mb["input_ids"], attention_mask=mb["attention_mask"], target_mask=mask)
+    return (logps * mask).sum(-1), mask.sum(-1)

@@ -1,0 +1,450 @@
+"""Offline preference optimization: DPO, cDPO, IPO, DPOP, SimPO, ORPO, KTO and step-wise DPO.
+
+    once:   reference log-probs log pi_ref(y | x) of every response (losses with a reference),
+            cached in the run directory (reference_logps.safetensors) and reused on resume
+    for each step:
+        pairs   <- next global batch (deterministic, resumable)
+        for each micro-batch:
+            log pi(y_w | x), log pi(y_l | x)    one forward; the pair's prompt runs once
+            L = loss(policy, reference)          relign.algorithms.preference, one value per pair
+            backward(sum L / pairs in the global batch)
+        clip grad norm; AdamW step; lr schedule step
+        every eval_every: the same losses and preference accuracy on held-out pairs
+
+KTO reads unpaired rows (or splits pairs into a desirable and an undesirable row) and sets its
+reference point z0 from mismatched (prompt, completion) pairs of the step's batch. The
+reference model is, by default, the policy itself before the first update: its log-probs are
+computed before training starts, so no second copy is kept in memory. ``reference=online``
+computes them at every step instead (a frozen copy, or with LoRA the base model with the
+adapter disabled).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .. import distributed
+from ..algorithms import preference as P
+from ..checkpoint import (
+    gather_train_state,
+    list_checkpoints,
+    load_checkpoint,
+    load_model_weights,
+    resolve_resume,
+    restore_optimizer,
+    save_checkpoint,
+    seed_everything,
+)
+from ..config import (
+    CheckpointConfig,
+    ConfigError,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    PreferenceDataConfig,
+    check_choice,
+    make_run_dir,
+    save_resolved_config,
+)
+from ..data.collate import StepSampler, chunks, shard
+from ..data.preference import TRUNCATION, UnpairedExample
+from ..models.loading import apply_lora, load_causal_lm, load_tokenizer, resolve_device, trainable_parameters
+from ..optim import build_optimizer, build_scheduler, clip_gradients, warmup_steps_of
+from ..tracking import Tracker, read_metrics
+from . import RunResult
+from .pairs import collate_pairs, collate_unpaired, load_examples, sequence_logps
+
+LOSSES = ("dpo", "ipo", "dpop", "simpo", "orpo", "kto", "sdpo")
+REFERENCE_FREE = ("simpo", "orpo")
+REF_FILE = "reference_logps.safetensors"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-7, warmup_ratio=0.1))
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    loss: str = "dpo"
+    """dpo (label_smoothing > 0: cDPO), ipo, dpop, simpo, orpo, kto or sdpo (step-wise DPO)."""
+    beta: float = 0.1
+    """beta: strength of the KL regularization (dpo, ipo, dpop, kto, sdpo); SimPO's reward scale (use ~2.0)."""
+    label_smoothing: float = 0.0
+    """Assumed label-flip probability eps in [0, 0.5) for dpo/sdpo/simpo (conservative DPO)."""
+    dpop_lambda: float = 50.0
+    """DPOP: weight of the penalty on the chosen log-prob falling below the reference."""
+    simpo_gamma: float = 0.5
+    """SimPO: target reward margin gamma."""
+    orpo_lambda: float = 0.1
+    """ORPO: weight lambda of the odds-ratio term added to the chosen response's NLL."""
+    kto_desirable_weight: float = 1.0
+    """KTO: weight w_D of desirable examples."""
+    kto_undesirable_weight: float = 1.0
+    """KTO: weight w_U of undesirable examples."""
+    reference: str = "precompute"
+    """precompute (once before training, cached in the run directory) or online (every step)."""
+    ref_model: str = ""
+    """Reference model (empty: the starting policy, model.path; with LoRA the adapter-free base)."""
+    step_eos: bool = False
+    """sdpo: end each chosen/rejected step with the end token (off: the step continues into the answer)."""
+    share_prompt: bool = True
+    """Run each pair's prompt once for both responses (same log-probs, less compute)."""
+    run_dir: str = ""
+    """Where config.yaml, metrics.jsonl, reference log-probs and checkpoints/ go (empty: runs/dpo-<time>)."""
+    resume: str = "none"
+    """'auto' continues from the newest complete checkpoint in run_dir; or a checkpoint path; 'none' starts fresh."""
+    seed: int = 0
+    """Seed for initialisation and data order."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto."""
+    max_steps: int = 0
+    """Optimizer steps to run (0 = epochs x steps per epoch)."""
+    epochs: float = 1.0
+    """Passes over the training data when max_steps is 0."""
+    batch_size: int = 16
+    """Pairs (KTO: examples) per optimizer step, summed over all ranks."""
+    micro_batch_size: int = 4
+    """Pairs (KTO: examples) per forward/backward pass on one rank."""
+    eval_every: int = 0
+    """Evaluate on the held-out pairs every N steps (0 = only at the end, when there is eval data)."""
+    eval_batch_size: int = 8
+    """Pairs per eval forward pass."""
+
+
+def _check(cfg: Config) -> None:
+    check_choice("loss", cfg.loss, LOSSES)
+    check_choice("reference", cfg.reference, ("precompute", "online"))
+    check_choice("data.truncation", cfg.data.truncation, TRUNCATION)
+    if not cfg.data.path:
+        raise ConfigError("missing value for 'data.path': give a preference file, a dataset folder or a hub id")
+    if not 0.0 <= cfg.label_smoothing < 0.5:
+        raise ConfigError(f"label_smoothing={cfg.label_smoothing} must lie in [0, 0.5)")
+    if cfg.beta <= 0:
+        raise ConfigError(f"beta={cfg.beta} must be > 0")
+    ws = distributed.world_size()
+    if cfg.batch_size % (cfg.micro_batch_size * ws):
+        raise ConfigError(f"batch_size={cfg.batch_size} must be a multiple of micro_batch_size x ranks = {cfg.micro_batch_size} x {ws}")
+
+
+# --------------------------------------------------------------------------- the loss
+
+
+def pair_loss(cfg: Config, pc, pr, nc, nr, rc=None, rr=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-pair losses [B] from summed log-probs pc, pr [B], response lengths nc, nr [B] and the
+    reference's summed log-probs rc, rr [B] (unused by the reference-free losses)."""
+    if cfg.loss in ("dpo", "sdpo"):  # sdpo: the sums cover the differing step only
+        fn = P.sdpo_loss if cfg.loss == "sdpo" else P.dpo_loss
+        return fn(pc, pr, rc, rr, beta=cfg.beta, label_smoothing=cfg.label_smoothing)
+    if cfg.loss == "ipo":
+        return P.ipo_loss(pc, pr, rc, rr, beta=cfg.beta)
+    if cfg.loss == "dpop":
+        return P.dpop_loss(pc, pr, rc, rr, beta=cfg.beta, lambda_dpop=cfg.dpop_lambda)
+    avg_c, avg_r = pc / nc.clamp_min(1), pr / nr.clamp_min(1)  # length-normalized log-probs
+    if cfg.loss == "simpo":
+        return P.simpo_loss(avg_c, avg_r, beta=cfg.beta, gamma=cfg.simpo_gamma, label_smoothing=cfg.label_smoothing)
+    return P.orpo_loss(avg_c, avg_r, -avg_c, lam=cfg.orpo_lambda)  # the SFT term is the chosen token-mean NLL
+
+
+# --------------------------------------------------------------------------- reference log-probs
+
+
+def kl_examples(examples: list[UnpairedExample], max_length: int) -> list[UnpairedExample]:
+    """KTO's mismatched pairs: prompt i with the completion of example i + 1 (cyclically).
+
+    The pairing is fixed by the data order (not by the batch), so the reference log-probs of
+    these rows can be computed once like the others."""
+    out = []
+    for i, e in enumerate(examples):
+        o = examples[(i + 1) % len(examples)]
+        ids = (e.input_ids[: e.prompt_len] + o.input_ids[o.prompt_len :])[:max_length]
+        mask = ([0] * e.prompt_len + o.loss_mask[o.prompt_len :])[:max_length]
+        out.append(UnpairedExample(ids, mask, e.prompt_len, o.label))
+    return out
+
+
+@torch.no_grad()
+def score_examples(model, examples: list, *, paired: bool, batch_size: int, pad_id: int, device, share_prompt: bool) -> torch.Tensor:
+    """Summed log-probs of every example ([N, 2] chosen/rejected for pairs, [N] otherwise),
+    this rank computing its strided share and the ranks summing the results."""
+    rank, world = distributed.rank(), distributed.world_size()
+    n = len(examples)
+    out = torch.zeros((n, 2) if paired else (n,), device=device)
+    was_training = model.training
+    model.eval()
+    mine = list(range(rank, n, world))
+    for idx in chunks(mine, batch_size):
+        if paired:
+            s, _ = sequence_logps(model, collate_pairs([examples[i] for i in idx], pad_id, device), share_prompt=share_prompt)
+            out[idx] = s.view(-1, 2)
+        else:
+            s, _ = sequence_logps(model, collate_unpaired([examples[i] for i in idx], pad_id, device), share_prompt=False)
+            out[idx] = s
+    model.train(was_training)
+    return distributed.all_reduce_sum(out)
+
+
+def _fingerprint(cfg: Config, sets: dict[str, list]) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps([cfg.ref_model or cfg.model.path, cfg.loss, cfg.step_eos]).encode())
+    for name, exs in sorted(sets.items()):
+        h.update(name.encode())
+        for e in exs:
+            for ids in (getattr(e, "chosen_ids", None), getattr(e, "rejected_ids", None), getattr(e, "input_ids", None)):
+                if ids is not None:
+                    h.update(len(ids).to_bytes(4, "little"))
+                    h.update(bytes(str(ids), "ascii"))
+    return h.hexdigest()
+
+
+def load_reference_cache(path: Path, fingerprint: str) -> dict[str, torch.Tensor] | None:
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        if (f.metadata() or {}).get("fingerprint") != fingerprint:
+            return None
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def save_reference_cache(path: Path, tensors: dict[str, torch.Tensor], fingerprint: str) -> None:
+    """Atomic: written to a temporary name, then renamed."""
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata={"fingerprint": fingerprint})
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- training
+
+
+def train(cfg: Config) -> RunResult:
+    distributed.init()
+    _check(cfg)
+    device = resolve_device(cfg.device)
+    rank, world = distributed.rank(), distributed.world_size()
+    seed_everything(cfg.seed)
+    run_dir = make_run_dir(cfg.run_dir, "dpo")
+    if distributed.is_main():
+        save_resolved_config(cfg, run_dir)
+    kto = cfg.loss == "kto"
+    needs_ref = cfg.loss not in REFERENCE_FREE
+
+    # ---- data and model
+    m = cfg.model
+    tok = load_tokenizer(m.tokenizer or m.path, trust_remote_code=m.trust_remote_code)
+    train_set, eval_set, data_metrics = load_examples(cfg.data, tok, unpaired=kto, seed=cfg.seed, step_eos=cfg.step_eos)
+    if not train_set:
+        raise ConfigError(f"data.path={cfg.data.path}: no usable rows ({data_metrics['data/rows']:.0f} read, "
+                          f"{data_metrics['data/dropped_too_long']:.0f} longer than data.max_length={cfg.data.max_length}, "
+                          f"{data_metrics['data/bad_rows']:.0f} bad)")
+    if kto:
+        data_metrics["data/desirable"] = float(sum(e.label for e in train_set))
+        data_metrics["data/undesirable"] = float(sum(not e.label for e in train_set))
+    sets: dict[str, list] = {"train": train_set, "eval": eval_set}
+    if kto:
+        sets.update(train_kl=kl_examples(train_set, cfg.data.max_length), eval_kl=kl_examples(eval_set, cfg.data.max_length) if eval_set else [])
+    load = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code, device=device)
+    policy = load_causal_lm(m.path, gradient_checkpointing=m.gradient_checkpointing, **load)
+    if m.lora.enabled:
+        policy = apply_lora(policy, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout, target_modules=m.lora.target_modules)
+    pad_id = tok.pad_token_id
+    share = cfg.share_prompt and not kto
+
+    # ---- reference log-probs: once, before the first update, cached in the run directory
+    ref_model = None
+    ref_cache: dict[str, torch.Tensor] = {}
+    ckpt = resolve_resume(cfg.resume, run_dir)
+    if needs_ref and cfg.reference == "precompute":
+        fp = _fingerprint(cfg, sets)
+        cached = load_reference_cache(run_dir / REF_FILE, fp)
+        if cached is not None:
+            ref_cache = {k: v.to(device) for k, v in cached.items()}
+        else:
+            # the starting policy is the reference unless another model is named; on resume
+            # (cache lost) the policy has moved, so the reference is loaded from its path
+            scorer = policy
+            if cfg.ref_model or ckpt is not None:
+                scorer = load_causal_lm(cfg.ref_model or m.path, **load)
+            for name, exs in sets.items():
+                if exs:
+                    ref_cache[name] = score_examples(scorer, exs, paired=not kto, batch_size=cfg.eval_batch_size,
+                                                     pad_id=pad_id, device=device, share_prompt=share)
+            del scorer
+            if distributed.is_main():
+                save_reference_cache(run_dir / REF_FILE, ref_cache, fp)
+    elif needs_ref and not m.lora.enabled:
+        ref_model = load_causal_lm(cfg.ref_model or m.path, **load).eval().requires_grad_(False)
+    elif needs_ref and cfg.ref_model:
+        ref_model = load_causal_lm(cfg.ref_model, **load).eval().requires_grad_(False)
+
+    if ckpt is not None:
+        load_model_weights(policy, ckpt)
+    policy = distributed.wrap_fsdp(policy)
+
+    sampler = StepSampler(len(train_set), cfg.batch_size, seed=cfg.seed)
+    total_steps = cfg.max_steps or max(1, int(math.ceil(cfg.epochs * sampler.steps_per_epoch)))
+    o = cfg.optim
+    optimizer = build_optimizer(policy, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps)
+    scheduler = build_scheduler(optimizer, total_steps=total_steps, warmup_steps=warmup_steps_of(total_steps, o.warmup_steps, o.warmup_ratio),
+                                schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
+    start_step = 0
+    if ckpt is not None:
+        tensors, state = load_checkpoint(ckpt)
+        restore_optimizer(policy, optimizer, tensors["optimizer"])
+        scheduler.load_state_dict(tensors["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        start_step = state["step"]
+
+    def save(step: int) -> None:
+        model_sd, optim_sd = gather_train_state(policy, optimizer)  # collective under FSDP
+        if distributed.is_main():
+            save_checkpoint(run_dir, step, model=policy, tokenizer=tok, state_dict=model_sd,
+                            tensors={"optimizer": optim_sd, "scheduler": scheduler.state_dict()},
+                            state={"sampler": sampler.state_dict(), "recipe": "dpo", "loss": cfg.loss},
+                            keep_last=cfg.checkpoint.keep_last)
+        distributed.barrier()
+
+    @torch.no_grad()
+    def reference_logps(name: str, idx: list[int], mb: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Reference summed log-probs of these rows: cached, or computed now (``reference=online``)."""
+        if not needs_ref:
+            return None
+        if ref_cache:
+            r = ref_cache[name][idx]
+            return r.flatten() if r.dim() == 2 else r  # pairs: interleaved like the rows
+        if ref_model is not None:
+            return sequence_logps(ref_model, mb, share_prompt=share and "kl" not in name)[0]
+        with policy.disable_adapter():  # LoRA: the reference is the base model, no second copy
+            return sequence_logps(policy, mb, share_prompt=share and "kl" not in name)[0]
+
+    def kto_z0(name: str, idx: list[int]) -> torch.Tensor:
+        """KTO's reference point from this step's mismatched pairs, the same on every rank."""
+        exs = sets[name + "_kl"]
+        total = torch.zeros(2, device=device)
+        with torch.no_grad():
+            for part in chunks(idx, cfg.micro_batch_size):
+                mb = collate_unpaired([exs[i] for i in part], pad_id, device)
+                pol = sequence_logps(policy, mb, share_prompt=False)[0]
+                ref = reference_logps(name + "_kl", part, mb)
+                total += torch.stack([(pol - ref).sum(), torch.tensor(float(len(part)), device=device)])
+        total = distributed.all_reduce_sum(total)
+        return (total[0] / total[1].clamp_min(1)).clamp_min(0.0)  # max(0, mean log ratio), detached
+
+    def losses_of(name: str, idx: list[int], z0=None):
+        """Per-pair (per-example for KTO) losses and metrics of the rows ``idx`` of set ``name``."""
+        exs = sets[name]
+        if kto:
+            mb = collate_unpaired([exs[i] for i in idx], pad_id, device)
+            logps, lengths = sequence_logps(policy, mb, share_prompt=False)
+            losses, met = P.kto_loss(logps, reference_logps(name, idx, mb), mb["labels"], z0, beta=cfg.beta,
+                                     desirable_weight=cfg.kto_desirable_weight, undesirable_weight=cfg.kto_undesirable_weight)
+            d = met["is_desirable"]
+            out = {"rewards/desirable_sum": (met["rewards"] * d).sum(), "rewards/undesirable_sum": (met["rewards"] * (1 - d)).sum(),
+                   "count/desirable": d.sum(), "count/undesirable": (1 - d).sum(), "logps/mean_sum": logps.detach().sum()}
+            return losses, out, float(lengths.sum() + mb["attention_mask"].sum())
+        mb = collate_pairs([exs[i] for i in idx], pad_id, device)
+        logps, lengths = sequence_logps(policy, mb, share_prompt=share)
+        ref = reference_logps(name, idx, mb)
+        pc, pr, nc, nr = logps[0::2], logps[1::2], lengths[0::2], lengths[1::2]
+        losses, met = pair_loss(cfg, pc, pr, nc, nr, ref[0::2] if ref is not None else None, ref[1::2] if ref is not None else None)
+        out = {f"{k}_sum": v.sum() for k, v in met.items()}
+        # does the policy itself rank the chosen response higher (summed log-prob, as a sampler would)?
+        out["logps/accuracy_sum"] = (pc > pr).float().sum()
+        out["logps/chosen_sum"], out["logps/rejected_sum"] = pc.detach().sum(), pr.detach().sum()
+        return losses, out, float(mb["attention_mask"].sum())
+
+    def finish(sums: dict[str, torch.Tensor], n: float, prefix: str) -> dict[str, float]:
+        """Average the per-pair sums over the global batch (all ranks)."""
+        keys = sorted(sums)
+        vec = distributed.all_reduce_sum(torch.stack([sums[k].float() for k in keys] + [torch.tensor(n, device=device)]))
+        out = {}
+        for k, v in zip(keys, vec[:-1].tolist()):
+            if k.startswith("count/"):
+                continue
+            denom = vec[-1].item()
+            if kto and k.startswith("rewards/"):
+                denom = vec[keys.index("count/" + k.split("/")[1].removesuffix("_sum"))].item()
+            name = k.removesuffix("_sum")
+            name = {"margins": "rewards/margins", "accuracy": "rewards/accuracy", "penalty": "dpop/penalty",
+                    "log_odds_ratio": "orpo/log_odds_ratio"}.get(name, name)
+            out[prefix + name] = v / max(denom, 1.0)
+        return out
+
+    @torch.no_grad()
+    def evaluate() -> dict[str, float]:
+        policy.eval()
+        mine = shard(list(range(len(eval_set))), rank, world)
+        z0 = kto_z0("eval", mine) if kto else None
+        sums: dict[str, torch.Tensor] = {}
+        for part in chunks(mine, cfg.eval_batch_size):
+            losses, met, _ = losses_of("eval", part, z0)
+            for k, v in {"loss_sum": losses.sum(), **met}.items():
+                sums[k] = sums.get(k, torch.zeros((), device=device)) + v.detach()
+        policy.train()
+        return finish(sums, float(len(mine)), "eval/")
+
+    lg = cfg.logging
+    bar = ("train/loss", "train/rewards/accuracy", "train/rewards/margins", "perf/pairs_per_s") if not kto else \
+        ("train/loss", "train/kl", "train/rewards/desirable", "train/rewards/undesirable")
+    tracker = Tracker(run_dir, total_steps=total_steps, start_step=start_step, desc=cfg.loss, bar_keys=bar, progress=lg.progress,
+                      tensorboard=lg.tensorboard, wandb=lg.wandb, wandb_project=lg.wandb_project, run_name=lg.run_name)
+    if start_step == 0:
+        tracker.log(0, data_metrics, advance=False)
+    else:
+        tracker.write(f"resumed from {ckpt} at step {start_step}")
+
+    params = trainable_parameters(policy)
+    metrics: dict[str, float] = {}
+    for step in range(start_step + 1, total_steps + 1):
+        t0 = time.perf_counter()
+        mine = shard(sampler.next(), rank, world)
+        n_global = float(cfg.batch_size)
+        z0 = kto_z0("train", mine) if kto else None
+        sums: dict[str, torch.Tensor] = {}
+        tokens = 0.0
+        for part in chunks(mine, cfg.micro_batch_size):
+            losses, met, ntok = losses_of("train", part, z0)
+            # one normalizer for the whole step on every rank: the summed gradient is that of
+            # the mean loss over the global batch (x world: FSDP averages gradients over ranks)
+            (losses.sum() / n_global * world).backward()
+            tokens += ntok
+            for k, v in {"loss_sum": losses.detach().sum(), **met}.items():
+                sums[k] = sums.get(k, torch.zeros((), device=device)) + v.detach()
+        grad_norm = clip_gradients(params, o.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        seconds = time.perf_counter() - t0
+        tokens = distributed.all_reduce_sum(torch.tensor(tokens, device=device)).item()
+        metrics = finish(sums, float(len(mine)), "train/")
+        metrics.update({"train/grad_norm": grad_norm, "train/lr": lr,
+                        "train/epoch": sampler.epoch + sampler.position / max(1, sampler.n),
+                        "perf/tokens_per_s": tokens / max(seconds, 1e-9), "perf/pairs_per_s": n_global / max(seconds, 1e-9)})
+        if kto:
+            metrics["train/kl"] = float(z0)
+        if eval_set and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps):
+            metrics.update(evaluate())
+        tracker.log(step, metrics)
+        if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+            save(step)
+
+    saved = dict(list_checkpoints(run_dir))
+    if cfg.checkpoint.save_final and total_steps > start_step and total_steps not in saved:
+        save(total_steps)
+    saved = list_checkpoints(run_dir)
+    tracker.close()
+    history = read_metrics(run_dir) if distributed.is_main() else []
+    distributed.barrier()
+    return RunResult(run_dir=run_dir, steps=total_steps, metrics=metrics, checkpoint=saved[-1][1] if saved else None,
+                     history=history)

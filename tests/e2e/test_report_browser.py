@@ -1,0 +1,259 @@
+"""The report in a real browser: headless Chromium driven over the DevTools protocol.
+
+Chromium is started with a temporary profile and every route off the machine closed (a dead
+proxy, a host resolver that resolves nothing, no background services). The test talks to it
+through a minimal WebSocket client (stdlib only; CDP needs text frames and nothing else),
+loads report.html from disk, checks the DOM, clicks a step with real mouse events and saves
+a screenshot (to tmp_path, and to $RELIGN_ARTIFACTS when that is set).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from relign.report import write_report
+
+from ..test_report import make_rl_run
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+
+
+def _browser() -> str | None:
+    return next((p for p in map(shutil.which, BROWSERS) if p), None)
+
+
+class WebSocket:
+    """Just enough RFC 6455 for the DevTools protocol: masked text frames out, any frames in."""
+
+    def __init__(self, url: str, timeout: float = 30.0):
+        u = urlsplit(url)
+        self.sock = socket.create_connection((u.hostname, u.port), timeout=timeout)
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall((f"GET {u.path} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\nUpgrade: websocket\r\n"
+                           f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+        self.buf = bytearray()
+        while b"\r\n\r\n" not in self.buf:
+            self._fill()
+        head, _, rest = bytes(self.buf).partition(b"\r\n\r\n")
+        if b" 101 " not in head.split(b"\r\n", 1)[0]:
+            raise ConnectionError(f"websocket handshake refused: {head[:200]!r}")
+        self.buf = bytearray(rest)
+
+    def _fill(self) -> None:
+        chunk = self.sock.recv(1 << 20)
+        if not chunk:
+            raise ConnectionError("browser closed the connection")
+        self.buf += chunk
+
+    def _take(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            self._fill()
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+    def send(self, text: str) -> None:
+        payload, mask = text.encode(), os.urandom(4)
+        n = len(payload)
+        header = bytes([0x81]) + (bytes([0x80 | n]) if n < 126 else
+                                  bytes([0x80 | 126]) + struct.pack(">H", n) if n < 65536 else
+                                  bytes([0x80 | 127]) + struct.pack(">Q", n))
+        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))  # clients must mask (RFC 6455 5.3)
+        self.sock.sendall(header + mask + masked)
+
+    def recv(self) -> str:
+        message = b""
+        while True:
+            b0, b1 = self._take(2)
+            n = b1 & 0x7F
+            if n == 126:
+                n = struct.unpack(">H", self._take(2))[0]
+            elif n == 127:
+                n = struct.unpack(">Q", self._take(8))[0]
+            data = self._take(n)  # server frames are never masked
+            opcode = b0 & 0x0F
+            if opcode == 0x8:
+                raise ConnectionError("browser closed the websocket")
+            if opcode in (0x0, 0x1, 0x2):  # continuation, text, binary
+                message += data
+                if b0 & 0x80:  # FIN
+                    return message.decode()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class DevTools:
+    """Commands and events of one page target."""
+
+    def __init__(self, ws: WebSocket):
+        self.ws, self.last_id, self.events = ws, 0, []
+
+    def call(self, method: str, **params):
+        self.last_id += 1
+        self.ws.send(json.dumps({"id": self.last_id, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self.ws.recv())
+            if msg.get("id") == self.last_id:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                return msg["result"]
+            self.events.append(msg)
+
+    def wait_event(self, method: str, timeout: float = 30.0) -> dict:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            for e in self.events:
+                if e.get("method") == method:
+                    return e
+            self.events.append(json.loads(self.ws.recv()))
+        raise TimeoutError(method)
+
+    def js(self, expression: str):
+        r = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
+        if "exceptionDetails" in r:
+            raise RuntimeError(f"{expression}: {r['exceptionDetails']}")
+        return r["result"].get("value")
+
+    def set_value(self, selector: str, value: str, event: str) -> None:
+        """Set a form control as typing or choosing would, and fire the event the page listens to."""
+        self.js(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); e.value = {json.dumps(value)};"
+                f" e.dispatchEvent(new Event({json.dumps(event)})); }})()")
+
+    def _centre(self, selector: str) -> list[float]:
+        return self.js(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); e.scrollIntoView({{block: 'center'}});"
+                       " const r = e.getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+
+    def hover(self, selector: str) -> None:
+        x, y = self._centre(selector)
+        self.call("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
+
+    def click(self, selector: str) -> None:
+        """A real click: mouse pressed and released at the element's centre, as a user would."""
+        x, y = self._centre(selector)
+        for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
+            self.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+
+
+@pytest.fixture
+def browser(tmp_path):
+    exe = _browser()
+    if exe is None:
+        pytest.skip(f"no Chromium found ({', '.join(BROWSERS)}); install Debian's `chromium` to run the browser test")
+    profile, log = tmp_path / "profile", open(tmp_path / "chromium.log", "w")
+    proc = subprocess.Popen([
+        exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+        "--remote-debugging-port=0", f"--user-data-dir={profile}", "--window-size=1280,1400",
+        # off the network: a dead proxy for everything but loopback, and no name resolves
+        "--proxy-server=127.0.0.1:9", "--proxy-bypass-list=<-loopback>", "--host-resolver-rules=MAP * ~NOTFOUND",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-extensions",
+        "--no-first-run", "--no-default-browser-check", "--mute-audio", "--hide-scrollbars",
+        "about:blank",
+    ], stdout=log, stderr=log)
+    port_file = profile / "DevToolsActivePort"  # Chromium writes its port here once it listens
+    deadline = time.time() + 60
+    while not (port_file.is_file() and port_file.read_text().strip()) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    ws = None
+    try:
+        if not port_file.is_file():
+            pytest.fail(f"{exe} did not start (exit code {proc.poll()}):\n{(tmp_path / 'chromium.log').read_text()[-2000:]}")
+        port = int(port_file.read_text().split()[0])
+        no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        targets = json.loads(no_proxy.open(f"http://127.0.0.1:{port}/json/list", timeout=30).read())
+        page = next(t for t in targets if t["type"] == "page")
+        ws = WebSocket(page["webSocketDebuggerUrl"])
+        yield DevTools(ws)
+    finally:
+        if ws is not None:
+            ws.close()
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _save_screenshot(cdp: DevTools, path: Path) -> Path:
+    shot = cdp.call("Page.captureScreenshot", format="png")
+    path.write_bytes(base64.b64decode(shot["data"]))
+    artifacts = os.environ.get("RELIGN_ARTIFACTS")
+    if artifacts:
+        Path(artifacts).mkdir(parents=True, exist_ok=True)
+        path = Path(shutil.copy(path, Path(artifacts) / path.name))
+    print(f"screenshot: {path}")
+    return path
+
+
+def test_report_in_headless_chromium(browser, tmp_path):
+    run = make_rl_run(tmp_path / "rl")
+    url = write_report(run).resolve().as_uri()
+    cdp = browser
+    for domain in ("Page", "Runtime", "Network"):
+        cdp.call(f"{domain}.enable")
+    cdp.call("Page.navigate", url=url)
+    cdp.wait_event("Page.loadEventFired")
+
+    # nothing but the file itself was requested, and the page's script ran without an error
+    requested = [e["params"]["request"]["url"] for e in cdp.events if e.get("method") == "Network.requestWillBeSent"]
+    assert requested == [url], requested
+    errors = [e for e in cdp.events if e.get("method") == "Runtime.exceptionThrown"
+              or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] == "error")]
+    assert not errors, errors
+
+    metrics = cdp.js("[...document.querySelectorAll('figure.chart')].map(f => f.dataset.metric)")
+    assert {"reward/mean", "eval/accuracy", "actor/kl", "actor/entropy", "response/length_mean", "actor/clip_frac",
+            "actor/grad_norm", "perf/tokens_per_s", "time/rollout_s"} <= set(metrics)
+    assert cdp.js("document.querySelectorAll('figure.chart svg path.line').length") >= len(metrics) - 1
+    assert cdp.js("[...document.querySelectorAll('.step-btn')].map(b => b.dataset.step)") == ["1", "2"]
+    cdp.hover("#chart-reward svg")  # the middle of the reward plot is step 2 (steps 1..3)
+    assert cdp.js("document.querySelector('#chart-reward .readout').textContent") == "step 2: reward/mean 0.2"
+
+    # the newest step is shown first; its hostile response is text, not markup
+    assert cdp.js("document.getElementById('trace-view').dataset.step") == "2"
+    assert cdp.js("document.querySelectorAll('#trace-view .trace-row').length") == 3
+    assert cdp.js("document.querySelectorAll('#trace-view img, #trace-view script').length") == 0
+    assert "</script><script>" in cdp.js("document.getElementById('trace-view').textContent")
+
+    # a real click on step 1 shows step 1's traces
+    cdp.click('.step-btn[data-step="1"]')
+    assert cdp.js("document.getElementById('trace-view').dataset.step") == "1"
+    assert cdp.js("document.querySelector('.step-btn.active').dataset.step") == "1"
+    rows = cdp.js("[...document.querySelectorAll('#trace-view .trace-row')].map(r => [r.dataset.correct, r.dataset.truncated])")
+    assert rows == [["1", "0"], ["0", "1"]]
+    assert "Alpha prompt" in cdp.js("document.getElementById('trace-view').textContent")
+    assert cdp.js("document.querySelectorAll('#trace-view .tok').length") == 4  # token spans, shaded
+    assert cdp.js("document.querySelector('#trace-view .tok').style.background") != ""
+
+    # filters: the select and the search box hide rows
+    visible = "[...document.querySelectorAll('#trace-view .trace-row')].filter(r => !r.hidden).length"
+    cdp.set_value("#trace-filter", "truncated", "change")
+    assert cdp.js(visible) == 1
+    cdp.set_value("#trace-filter", "all", "change")
+    cdp.set_value("#trace-search", "IDEA", "input")
+    assert cdp.js(visible) == 1
+    cdp.set_value("#trace-search", "", "input")
+    assert cdp.js(visible) == 2
+    cdp.set_value("#trace-shade", "logp", "change")  # re-shaded by log-prob (logp -0.1: a faint orange)
+    assert cdp.js("document.querySelector('#trace-view .tok').style.background").startswith("rgba(234, 88, 12, 0.06")
+    assert cdp.js("document.querySelectorAll('#trace-view .tok')[1].style.background") == ""  # logp unknown (-inf)
+
+    cdp.set_value("#trace-shade", "advantage", "change")
+    cdp.js("document.getElementById('traces').scrollIntoView()")
+    shot = _save_screenshot(cdp, tmp_path / "report_traces.png")
+    assert shot.stat().st_size > 10_000
+    assert not [e for e in cdp.events if e.get("method") == "Runtime.exceptionThrown"]

@@ -1,0 +1,141 @@
+"""DPO and the Bradley-Terry reward model learn a clearly separable preference, and the DPO
+recipe's numbers do not depend on how the batch is cut or how the reference is obtained."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from relign.config import load_config
+from relign.tracking import read_metrics
+
+from ..conftest import write_jsonl
+
+WORDS = "apple river stone cloud green seven table music light paper horse candle".split()
+GOOD = ["yes", "good", "right", "true", "up", "in", "on", "big"]  # one token each, like BAD
+BAD = ["no", "down", "out", "off", "small", "a", "b", "c"]
+
+
+def separable_pairs(n: int, seed: int) -> list[dict]:
+    """Chosen and rejected say the same words and end with a marker: one of GOOD for the chosen,
+    one of BAD for the rejected, drawn independently (so an untrained model's preferences
+    between the two markers are coin flips over the set)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        prompt = "Say: " + " ".join(rng.choices(WORDS, k=3))
+        body = " ".join(rng.choices(WORDS, k=rng.randint(2, 5)))
+        rows.append({"prompt": prompt, "chosen": f"{body} {rng.choice(GOOD)}", "rejected": f"{body} {rng.choice(BAD)}"})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def pref_data(tmp_path_factory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("pref")
+    return write_jsonl(d / "train.jsonl", separable_pairs(64, 0)), write_jsonl(d / "eval.jsonl", separable_pairs(32, 1))
+
+
+def _dpo(model_dir, data, run_dir, *extra):
+    from relign.recipes import preference
+
+    train, held_out = data
+    cfg = load_config(preference.Config, None, [
+        f"model.path={model_dir}", f"data.path={train}", f"data.eval_path={held_out}", f"run_dir={run_dir}",
+        "data.max_length=64", "batch_size=16", "micro_batch_size=8", "optim.lr=2e-3", "optim.warmup_ratio=0",
+        "optim.schedule=constant", "logging.progress=false", "logging.tensorboard=false", "checkpoint.save_final=false",
+        *extra,
+    ])
+    return preference.train(cfg)
+
+
+def test_dpo_learns_a_separable_preference(tiny_model_dir, pref_data, tmp_path):
+    res = _dpo(tiny_model_dir, pref_data, tmp_path, "max_steps=16", "eval_every=16", "beta=0.5")
+    hist = read_metrics(tmp_path)
+    first, last = hist[1], hist[-1]
+    assert first["train/loss"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference: h = 0, L = log 2
+    assert first["train/rewards/margins"] == pytest.approx(0.0, abs=1e-4)
+    # before the first update the random model's own ranking is a coin flip (~50%)
+    assert 0.2 <= first["train/logps/accuracy"] <= 0.8
+    assert last["eval/rewards/accuracy"] > 0.9
+    assert last["eval/logps/accuracy"] > 0.9
+    assert last["eval/rewards/margins"] > 1.0  # the implicit reward margin grew from 0
+    assert last["train/loss"] < 0.3
+    assert res.metrics["eval/rewards/accuracy"] == last["eval/rewards/accuracy"]
+
+
+def test_reward_model_learns_a_separable_preference(tiny_model_dir, pref_data, tmp_path):
+    from relign.models.reward import load_scorer, scorer_kind
+    from relign.recipes import reward_model
+
+    train, held_out = pref_data
+    cfg = load_config(reward_model.Config, None, [
+        f"model.path={tiny_model_dir}", f"data.path={train}", f"data.eval_path={held_out}", f"run_dir={tmp_path}",
+        "data.max_length=64", "batch_size=16", "micro_batch_size=8", "optim.lr=2e-3", "optim.warmup_ratio=0",
+        "max_steps=16", "eval_every=1", "logging.progress=false", "logging.tensorboard=false",
+    ])
+    res = reward_model.train(cfg)
+    hist = read_metrics(tmp_path)
+    assert hist[1]["train/loss"] == pytest.approx(0.6931, abs=1e-3)  # zero-initialized head: r = 0 for all
+    assert hist[1]["eval/accuracy"] <= 0.75
+    assert hist[-1]["eval/accuracy"] > 0.9
+    assert hist[-1]["eval/rewards/margins"] > hist[1]["eval/rewards/margins"]
+
+    # the checkpoint is a plain HF sequence-classification model, and scores like the trainer
+    assert scorer_kind(str(res.checkpoint)) == "rm"
+    scorer = load_scorer(str(res.checkpoint))
+    rows = separable_pairs(8, 5)
+    good = scorer.score([r["prompt"] for r in rows], [r["chosen"] for r in rows])
+    bad = scorer.score([r["prompt"] for r in rows], [r["rejected"] for r in rows])
+    assert sum(g > b for g, b in zip(good, bad)) >= 7
+
+
+@pytest.mark.parametrize("loss", ["dpo", "kto"])
+def test_loss_is_invariant_to_micro_batching_and_prompt_sharing(tiny_model_dir, pref_data, tmp_path, loss):
+    """One step with 1 micro-batch of 16 == 4 of 4 (prompt shared or not) == the reference
+    computed online instead of cached: same loss, same updated weights."""
+    runs = {
+        "one": ("micro_batch_size=16",),
+        "four": ("micro_batch_size=4",),
+        "full_rows": ("micro_batch_size=4", "share_prompt=false"),
+        "online": ("micro_batch_size=8", "reference=online"),
+    }
+    losses, weights = {}, {}
+    for name, extra in runs.items():
+        res = _dpo(tiny_model_dir, pref_data, tmp_path / name, "max_steps=1", f"loss={loss}", "checkpoint.save_final=true",
+                   "data.eval_path=''", *extra)
+        losses[name] = read_metrics(tmp_path / name)[1]["train/loss"]
+        weights[name] = load_file(str(Path(res.checkpoint) / "model.safetensors"))
+    for name in runs:
+        assert losses[name] == pytest.approx(losses["one"], abs=1e-5), name
+        for k, v in weights[name].items():
+            torch.testing.assert_close(v, weights["one"][k], atol=1e-5, rtol=0)
+
+
+def test_reference_logps_are_cached_and_reused_on_resume(tiny_model_dir, pref_data, tmp_path):
+    run = tmp_path / "run"
+    _dpo(tiny_model_dir, pref_data, run, "max_steps=2", "checkpoint.save_every=2")
+    cache = run / "reference_logps.safetensors"
+    assert cache.is_file()
+    stamp = cache.stat().st_mtime_ns
+    _dpo(tiny_model_dir, pref_data, run, "max_steps=4", "checkpoint.save_every=2", "resume=auto")
+    assert cache.stat().st_mtime_ns == stamp  # reused, not recomputed from the (moved) policy
+    straight = tmp_path / "straight"
+    _dpo(tiny_model_dir, pref_data, straight, "max_steps=4")
+    resumed = [r["train/loss"] for r in read_metrics(run)[1:]]
+    uninterrupted = [r["train/loss"] for r in read_metrics(straight)[1:]]
+    assert resumed == pytest.approx(uninterrupted, abs=1e-6)
+
+
+def test_lora_reference_is_the_adapter_free_base(tiny_model_dir, pref_data, tmp_path):
+    """With LoRA and reference=online there is no second model: the reference is the policy
+    with its adapter disabled, so the first loss is exactly log 2."""
+    _dpo(tiny_model_dir, pref_data, tmp_path, "max_steps=2", "reference=online", "model.lora.enabled=true",
+         "model.lora.r=4", "optim.lr=1e-2", "data.eval_path=''")
+    hist = read_metrics(tmp_path)
+    assert hist[1]["train/loss"] == pytest.approx(0.6931, abs=1e-4)
+    assert hist[2]["train/loss"] < hist[1]["train/loss"]
+    assert not (tmp_path / "reference_logps.safetensors").exists()
