@@ -206,6 +206,28 @@ def gather_train_state(model: Any, optimizer: torch.optim.Optimizer) -> tuple[di
     return model_sd, optim_sd
 
 
+def resume_training(ckpt, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Any) -> int:
+    """Restore the optimizer, schedule and data position of an offline recipe (sft, rm, dpo) from
+    ``ckpt`` (the weights are loaded before sharding, by ``load_model_weights``); returns the
+    step to continue after, 0 without a checkpoint."""
+    if ckpt is None:
+        return 0
+    tensors, state = load_checkpoint(ckpt)
+    restore_optimizer(model, optimizer, tensors["optimizer"])
+    scheduler.load_state_dict(tensors["scheduler"])
+    sampler.load_state_dict(state["sampler"])
+    return int(state["step"])
+
+
+def save_final(run_dir, save: Any, *, total_steps: int, start_step: int, save_final: bool) -> Path | None:
+    """Save the last step unless it is already saved (or ``save_final`` is off); returns the
+    newest checkpoint, which the caller reports as the run's result."""
+    if save_final and total_steps > start_step and total_steps not in dict(list_checkpoints(run_dir)):
+        save(total_steps)
+    saved = list_checkpoints(run_dir)
+    return saved[-1][1] if saved else None
+
+
 def restore_optimizer(model: Any, optimizer: torch.optim.Optimizer, optim_sd: dict) -> None:
     """Load a ``gather_train_state`` optimizer state into a (possibly sharded) optimizer."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

@@ -67,3 +67,12 @@ def clip_gradients(params, max_norm: float) -> float:
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm)
+
+
+def build_training(model, o, total_steps: int):
+    """AdamW and its warmup + decay schedule from an ``OptimConfig``, for ``total_steps`` steps."""
+    optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps)
+    scheduler = build_scheduler(optimizer, total_steps=total_steps, warmup_steps=warmup_steps_of(total_steps, o.warmup_steps, o.warmup_ratio),
+                                schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
+    return optimizer, scheduler
+

@@ -24,12 +24,11 @@ from .. import distributed
 from ..algorithms.aggregation import MODES, aggregate, aggregate_count
 from ..checkpoint import (
     gather_train_state,
-    list_checkpoints,
-    load_checkpoint,
     load_model_weights,
     resolve_resume,
-    restore_optimizer,
+    resume_training,
     save_checkpoint,
+    save_final,
     seed_everything,
 )
 from ..config import (
@@ -47,7 +46,7 @@ from ..data.collate import StepSampler, chunks, pack_collate, pad_collate, shard
 from ..data.sft import TRUNCATION, SFTExample, build_sft_examples
 from ..models.loading import apply_lora, load_causal_lm, load_tokenizer, resolve_device, trainable_parameters
 from ..models.logprobs import token_logps
-from ..optim import build_optimizer, build_scheduler, clip_gradients, warmup_steps_of
+from ..optim import build_training, clip_gradients
 from ..tracking import Tracker, read_metrics
 from . import RunResult
 
@@ -214,18 +213,8 @@ def train(cfg: Config) -> RunResult:
     sampler = StepSampler(len(train_set), cfg.batch_size, seed=cfg.seed)
     total_steps = cfg.max_steps or max(1, int(math.ceil(cfg.epochs * sampler.steps_per_epoch)))
     o = cfg.optim
-    optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps)
-    scheduler = build_scheduler(
-        optimizer, total_steps=total_steps, warmup_steps=warmup_steps_of(total_steps, o.warmup_steps, o.warmup_ratio),
-        schedule=o.schedule, min_lr_ratio=o.min_lr_ratio,
-    )
-    start_step = 0
-    if ckpt is not None:
-        tensors, state = load_checkpoint(ckpt)
-        restore_optimizer(model, optimizer, tensors["optimizer"])
-        scheduler.load_state_dict(tensors["scheduler"])
-        sampler.load_state_dict(state["sampler"])
-        start_step = state["step"]
+    optimizer, scheduler = build_training(model, o, total_steps)
+    start_step = resume_training(ckpt, model, optimizer, scheduler, sampler)
 
     def save(step: int) -> None:
         model_sd, optim_sd = gather_train_state(model, optimizer)  # collective under FSDP
@@ -282,11 +271,7 @@ def train(cfg: Config) -> RunResult:
         if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
             save(step)
 
-    saved = dict(list_checkpoints(run_dir))
-    if cfg.checkpoint.save_final and total_steps > start_step and total_steps not in saved:
-        save(total_steps)
-    saved = list_checkpoints(run_dir)
-    last = saved[-1][1] if saved else None
+    last = save_final(run_dir, save, total_steps=total_steps, start_step=start_step, save_final=cfg.checkpoint.save_final)
     tracker.close()
     history = read_metrics(run_dir) if distributed.is_main() else []
     distributed.barrier()
