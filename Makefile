@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/relign sft examples/sft_tiny.yaml
+	$(BIN)/relign demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	$(BIN)/python bench/sft_throughput.py
 	$(BIN)/python bench/grpo_step.py
+	$(BIN)/python bench/dpo_throughput.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
