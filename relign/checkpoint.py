@@ -132,7 +132,8 @@ def save_checkpoint(
 
     ``tensors`` (optimizer / scheduler state dicts, ...) go to a weights_only-loadable
     ``trainer_state.pt`` together with the RNG state; ``state`` must be JSON-serialisable.
-    ``extra_models`` maps a sub-folder name to another model to save (a critic, say).
+    ``extra_models`` maps a sub-folder name to another model to save (a critic, say), or to a
+    ``(model, full state dict)`` pair when that model is sharded.
     ``state_dict`` is the full model state gathered from sharded ranks (``gather_train_state``);
     call this on rank 0 only in that case.
     """
@@ -151,7 +152,8 @@ def save_checkpoint(
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     for name, extra in (extra_models or {}).items():
-        extra.save_pretrained(tmp / name, safe_serialization=True)
+        extra, extra_sd = extra if isinstance(extra, tuple) else (extra, None)
+        extra.save_pretrained(tmp / name, safe_serialization=True, state_dict=extra_sd)
     _fault("checkpoint-mid-write", step)
 
     rng_tensors, rng_js = _rng_to_savable(rng_state())

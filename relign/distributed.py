@@ -43,21 +43,25 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks (returns a new tensor; identity on one process)."""
+def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
     if not is_initialized():
         return t
     out = t.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    return out
+    # NCCL reduces CUDA tensors only: a CPU counter travels through the GPU and comes back
+    moved = dist.get_backend() == "nccl" and out.device.type != "cuda"
+    if moved:
+        out = out.cuda()
+    dist.all_reduce(out, op=op)
+    return out.to(t.device) if moved else out
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (returns a new tensor; identity on one process)."""
+    return _all_reduce(t, dist.ReduceOp.SUM) if is_initialized() else t
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    if not is_initialized():
-        return t
-    out = t.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return out
+    return _all_reduce(t, dist.ReduceOp.MAX) if is_initialized() else t
 
 
 def barrier() -> None:
@@ -65,31 +69,63 @@ def barrier() -> None:
         dist.barrier()
 
 
+def all_gather_object(obj):
+    """Every rank's ``obj``, in rank order (``[obj]`` on one process). For small Python data:
+    the rollout groups of a step (token ids, rewards), not tensors of activations."""
+    if not is_initialized():
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly FSDP-sharded DTensor) parameter; a collective when sharded."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _layer_classes(model: torch.nn.Module) -> set[str]:
+    """Class names of the blocks to shard one by one: the decoder layers transformers lists in
+    ``_no_split_modules`` (for any model nested inside ``model``: a peft wrapper, a critic)."""
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or [])
+    return names
+
+
 def wrap_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     """Shard ``model`` with FSDP2 (``fully_shard``) per decoder layer and at the root.
 
     No-op on a single process. Parameters become DTensors; gradients are reduce-scattered,
     which averages them over ranks. Recipes normalize losses by global counts and multiply
-    the loss by the world size to turn that average back into the global sum.
+    the loss by the world size to turn that average back into the global sum. Every rank
+    must then run the same number of forward and backward passes (each one all-gathers the
+    layers' parameters).
     """
     if world_size() == 1:
         return model
     from torch.distributed.fsdp import fully_shard
 
-    layers = None
-    for name in ("model.layers", "base_model.model.model.layers", "transformer.h"):
-        obj = model
-        try:
-            for part in name.split("."):
-                obj = getattr(obj, part)
-            layers = obj
-            break
-        except AttributeError:
-            continue
-    for layer in layers or []:
-        fully_shard(layer)
+    classes = _layer_classes(model)
+    for m in model.modules():
+        if m is not model and type(m).__name__ in classes:
+            fully_shard(m)
     fully_shard(model)
     return model
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free the unsharded parameters an FSDP2 root keeps after a forward with no backward.
+
+    FSDP2 leaves the root's own parameters (embeddings, final norm, a critic's head) gathered
+    after a forward, for the backward that usually follows. After a pass under ``no_grad``
+    (reference, old log-probs, values, eval) none follows, and the next training forward then
+    finds them gathered and leaves their gradients on the unsharded tensors: they never reach
+    the sharded parameters, so those parameters silently stop training. Call this after every
+    forward that has no backward. No-op on one process.
+    """
+    if hasattr(model, "reshard"):
+        model.reshard()
 
 
 def cleanup() -> None:

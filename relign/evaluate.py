@@ -284,14 +284,13 @@ def _problem_metrics(rows: list[dict], ks: list[int], equal: Callable[[str, str]
 
 
 def make_task(name: str, *, path: str = "", reward_fn: str = "", chat: bool = True, system_prompt: str = "",
-              format_weight: float = 0.0, extract_fn: str = "", equal_fn: str = ""):
+              format_weight: float = 0.0, extract_fn: str = "", equal_fn: str = "", single_turn: bool = True):
     """The task as ``relign rl`` builds it (``reward_fn`` replaces a built-in task's reward; a
     custom task needs ``path`` and ``reward_fn``), with optional answer extractor / equivalence
-    overrides for maj@k. Problems a user can fix raise ``ConfigError``."""
+    overrides for maj@k. ``single_turn`` refuses a task that runs in a multi-turn environment
+    (evaluation samples single completions). Problems a user can fix raise ``ConfigError``."""
     from .envs.base import get_task, load_function
 
-    if name == "calculator":
-        raise ConfigError("task.name=calculator is a multi-turn environment; evaluation covers single-turn tasks")
     opts: dict[str, Any] = {"chat": chat, "system_prompt": system_prompt or None}
     if reward_fn and ":" not in reward_fn:
         reward_fn += ":reward"  # 'my_reward.py' means its function named reward, as in relign rl
@@ -304,7 +303,7 @@ def make_task(name: str, *, path: str = "", reward_fn: str = "", chat: bool = Tr
             task = get_task(name, format_weight=format_weight, **opts)
             if reward_fn:
                 load_function(reward_fn)  # fail now, not in a worker
-                task = replace(task, reward_spec=reward_fn, reward_kwargs={})
+                task = replace(task, reward_spec=reward_fn, reward_kwargs={}, term_weights={})
         for spec in (extract_fn, equal_fn):
             if spec:
                 load_function(spec)
@@ -314,6 +313,8 @@ def make_task(name: str, *, path: str = "", reward_fn: str = "", chat: bool = Tr
             task = replace(task, equal_spec=equal_fn)
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise ConfigError(f"task: {e}") from None
+    if single_turn and task.env:
+        raise ConfigError(f"task.name={name} is a multi-turn environment ({task.env}); evaluation covers single-turn tasks")
     return task
 
 
@@ -362,8 +363,8 @@ def check_eval_during_training(cfg: EvalDuringTrainingConfig, *, task: str = "",
     """ConfigError for settings that cannot work, before any model is loaded."""
     if not cfg.every:
         return
-    if env or task == "calculator":
-        raise ConfigError("eval.every works with single-turn tasks, not with a multi-turn environment (task.env)")
+    if env:
+        raise ConfigError(f"eval.every works with single-turn tasks, not with a multi-turn environment ({env})")
     if task == "custom" and not cfg.path:
         raise ConfigError("eval.every with task.name=custom: set eval.path to held-out problems (it may be the training file)")
     if cfg.every < 0 or cfg.n < 1 or cfg.batch_prompts < 1:

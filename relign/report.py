@@ -72,7 +72,8 @@ CHARTS: list[tuple[str, str, tuple[str, ...], str | None]] = [
     ("grad-norm", "Gradient norm", ("actor/grad_norm", "train/grad_norm", "critic/grad_norm"), None),
     ("value-loss", "Value loss", ("critic/value_loss",), None),
     ("tokens-per-s", "Throughput (tokens/s)", ("perf/tokens_per_s", "perf/*tokens_per_s*"), None),
-    ("time", "Time per step (s)", ("time/rollout_s", "time/train_s", "time/sync_s", "time/*"), None),
+    ("time", "Time per step (s)", ("time/rollout_s", "time/reward_s", "time/reference_s", "time/old_logps_s", "time/values_s",
+                                  "time/update_s", "time/sync_s", "time/step_s", "time/*"), None),
     ("lr", "Learning rate", ("actor/lr", "train/lr", "critic/lr"), None),
 ]
 # reward/ keys that are counters, not rewards: they fall through to the generic plots.

@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,36 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
                 except json.JSONDecodeError:
                     break  # a line cut by a crash: everything after it is unreliable
     return rows
+
+
+class StageClock:
+    """Seconds per named stage of a step: ``with clock("update"): ...``; ``clock.metrics()``
+    gives ``time/<stage>_s`` for every stage named in ``stages`` (0 for one that did not run),
+    so every step logs the same keys. On CUDA the stage waits for its kernels before the
+    clock stops (launches are asynchronous)."""
+
+    def __init__(self, stages: tuple[str, ...] = (), device=None):
+        import torch
+
+        self.seconds: dict[str, float] = {s: 0.0 for s in stages}
+        self._sync = torch.cuda.synchronize if getattr(device, "type", str(device)) == "cuda" else None
+        self._t0 = time.perf_counter()
+
+    @contextmanager
+    def __call__(self, stage: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._sync is not None:
+                self._sync()
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
+
+    def total(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{k}_s": v for k, v in self.seconds.items()} | {"time/step_s": self.total()}
 
 
 class Tracker:

@@ -182,7 +182,7 @@ def test_eval_during_training_checks():
     with pytest.raises(ConfigError, match="eval.path"):
         check_eval_during_training(EvalDuringTrainingConfig(every=1), task="custom")
     with pytest.raises(ConfigError, match="multi-turn"):
-        check_eval_during_training(EvalDuringTrainingConfig(every=1), task="calculator")
+        check_eval_during_training(EvalDuringTrainingConfig(every=1), task="calculator", env="relign.envs.calculator:CalculatorEnv")
 
 
 # --------------------------------------------------------------------------- the loop, with scripted completions

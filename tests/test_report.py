@@ -321,7 +321,8 @@ def test_eval_samples_with_other_field_names():
 def test_report_of_a_real_rl_run_through_the_cli(tiny_model_dir, tmp_path, capsys):
     run = tmp_path / "run"
     run_cli("rl", *toy_overrides(tiny_model_dir, tmp_path, fn="graded"), f"run_dir={run}", "max_steps=2",
-            "prompts_per_step=2", "rollout.n=2", "checkpoint.save_every=0", "checkpoint.save_final=false")
+            "prompts_per_step=2", "rollout.n=2", "checkpoint.save_every=0", "checkpoint.save_final=false",
+            "algorithm.kl=loss", "algorithm.kl_coef=0.05")
     proc = run_cli("report", str(run))
     assert proc.stdout.strip() == f"report: {run / 'report.html'}"
     text = (run / "report.html").read_text()

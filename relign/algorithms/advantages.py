@@ -14,7 +14,8 @@ Sequence-level (one scalar per sequence, the recipe broadcasts it over the token
 Token-level:
 
 * REINFORCE++  G_t = sum_{s >= t} gamma^(s-t) r_s, then (G_t - mean(G)) / (std(G) + eps) over
-  every trained token of the batch                                   (arXiv 2501.03262)
+  every trained token of the batch; the -baseline variant first takes the group's mean
+  reward off each outcome                                            (arXiv 2501.03262)
 * GAE          delta_t = r_t + gamma V_{t+1} - V_t,  A_t = delta_t + gamma lam A_{t+1},
   R_t = A_t + V_t                                                    (arXiv 1506.02438)
 
@@ -156,41 +157,51 @@ def reinforce_pp_advantages(
     gamma: float = 1.0,
     group_size: int | None = None,
     baseline: str = "none",
+    token_penalties: torch.Tensor | None = None,
     eps: float = 1e-6,
 ) -> torch.Tensor:
     """REINFORCE++ advantages (Hu, arXiv 2501.03262), [B, T] -> [B, T].
 
-    token_rewards [B, T]: the outcome reward on the last response token, optionally minus
-    the per-token KL penalty beta * kl_t on every token (see ``kl.kl_penalty_rewards``).
+    token_rewards [B, T]: the task's rewards per token, the outcome on the last response token
+    (multi-turn: each turn's reward on its last model token). token_penalties [B, T]: terms
+    added to every token's reward after the baseline, -beta * kl_t when the KL is in the
+    reward (``kl.kl_penalty_rewards``).
 
-        G_t = sum_{s >= t, s masked} gamma^(s-t) r_s                 (return-to-go)
-        A_t = (G_t - mean(G)) / (std(G) + eps)   mean/std over all masked tokens of the batch
+        r_t  = token_rewards_t - [t = last] b_i + token_penalties_t
+        G_t  = sum_{s >= t, s masked} gamma^(s-t) r_s                 (return-to-go)
+        A_t  = (G_t - mean(G)) / (std(G) + eps)   mean/std over all masked tokens of the batch
 
-    baseline "group_mean" (REINFORCE++-baseline): before the global whitening subtract, from
-    every token's return of sequence i, the mean over i's group of the sequences' total
-    return R_j = sum_t m_jt r_jt (the sequence-level outcome, KL penalties included).
-    With gamma = 1 (the paper's setting) R_j is G at j's first response token.
-    Note: OpenRLHF subtracts the group mean from the outcome reward before adding the KL
-    penalty, so its baseline excludes the KL terms; here the baseline is the group's mean
-    total return, which includes them (identical when no KL penalty is in the rewards).
+    baseline "none": b = 0 (REINFORCE++). "group_mean" (REINFORCE++-baseline): b_i is the mean
+    over i's group of the sequences' total task reward R_j = sum_t token_rewards_jt, taken
+    off the *outcome* (the last masked token) before discounting, as OpenRLHF subtracts the
+    group mean from the sequence reward before the per-token KL is added. A group whose
+    rewards are all equal then has r_t = token_penalties_t: all zero without a KL term,
+    whatever gamma. (Subtracting b from every token's return instead would leave
+    G_t - b = (gamma^(T-t) - 1) R != 0 for gamma < 1.)
 
-    The batch is whitened as a whole; under data parallelism the caller must pass the
-    whole step's batch, or the statistics are per rank. Masked positions are 0.
+    The batch is whitened as a whole; under data parallelism the caller passes the whole
+    step's batch, or the statistics are per rank. Masked positions are 0.
     """
     if baseline not in REINFORCE_PP_BASELINES:
         raise ValueError(f"unknown baseline {baseline!r}; choose one of {', '.join(REINFORCE_PP_BASELINES)}")
     r = _as_float(token_rewards)  # [B, T]
-    m = mask.to(r.dtype)  # [B, T]
-    G_t = _masked_returns(r, mask, gamma)  # [B, T]
-
+    keep = mask.bool()
+    r = torch.where(keep, r, 0.0)
     if baseline == "group_mean":
         if group_size is None:
             raise ValueError("baseline='group_mean' needs group_size")
-        R = torch.where(mask.bool(), r, 0.0).sum(dim=-1)  # [B] total return of each sequence
-        b = _grouped(R, group_size).mean(dim=-1, keepdim=True)  # [B/G, 1]
-        b = b.expand(-1, group_size).reshape(-1, 1)  # [B, 1]
-        G_t = (G_t - b) * m
-
+        R = _grouped(r.sum(dim=-1), group_size)  # [B/G, G] total task reward of each sequence
+        b = R.mean(dim=-1, keepdim=True)  # [B/G, 1]
+        # all-equal guard, as in group_advantages: the rounding of a mean must not leave a residue
+        b = torch.where((R == R[:, :1]).all(dim=-1, keepdim=True), R[:, :1], b)
+        b = b.expand(-1, group_size).reshape(-1)  # [B]
+        cols = torch.arange(r.shape[1], device=r.device).expand_as(r)
+        last = torch.where(keep, cols, -1).amax(dim=-1)  # [B] last masked column (-1: none)
+        at_last = (cols == last.unsqueeze(-1)) & keep
+        r = r - at_last.to(r.dtype) * b.unsqueeze(-1)
+    if token_penalties is not None:
+        r = r + torch.where(keep, _as_float(token_penalties), 0.0)
+    G_t = _masked_returns(r, mask, gamma)  # [B, T]
     return masked_whiten(G_t, mask, shift_mean=True, eps=eps)
 
 

@@ -36,6 +36,13 @@ class StepSampler:
     def steps_per_epoch(self) -> int:
         return self.n // self.batch_size
 
+    @property
+    def drawn(self) -> int:
+        """Items handed out so far, over all epochs: a batch's item j is draw ``drawn + j``.
+        A draw index names one sampling of one example, the same on every rank and after a
+        resume (RL seeds each prompt's completions with it)."""
+        return self.epoch * self.steps_per_epoch * self.batch_size + self.position
+
     def _order(self) -> list[int]:
         if self._perm is None:
             if self.shuffle:

@@ -203,6 +203,15 @@ class Task:
     majority voting (maj@k); None: the task has none and maj@k is not reported."""
     equal_spec: str | None = None
     """Answer equivalence by spec, ``fn(a, b) -> bool`` on two extracted answers; None: ``a == b``."""
+    env: str | None = None
+    """A multi-turn environment class by spec (``"relign.envs.calculator:CalculatorEnv"``): the
+    task's episodes then run turn by turn and the environment's rewards train."""
+    generate_spec: str | None = None
+    """A procedural task's record generator by spec, ``fn(n, seed) -> records``, used by ``load()``
+    when no path is given."""
+    term_weights: dict[str, float] = field(default_factory=dict)
+    """The reward as a weighted sum of its components: reward = sum_k w_k * components[k]
+    (built-in tasks: correct 1, format format_weight). Empty: unknown (custom rewards)."""
 
     @property
     def format_weight(self) -> float:
@@ -223,12 +232,15 @@ class Task:
             return [*sys_msg, {"role": "user", "content": text}]
         return f"{self.system_prompt}\n\n{text}" if self.system_prompt else text
 
-    def load(self, path: str | None = None, split: str | None = None, max_rows: int = 0) -> list[dict[str, Any]]:
+    def load(self, path: str | None = None, split: str | None = None, max_rows: int = 0, seed: int = 0) -> list[dict[str, Any]]:
         """RL records from a file, a dataset folder or a hub id (``"openai/gsm8k:main"``).
 
-        Without ``path``, ``default_path`` (the shipped test set for the built-in tasks).
-        Bad rows raise ``DataError`` naming the file, the row and the field.
+        Without ``path``, ``default_path`` (the shipped test set for the built-in tasks), or
+        for a procedural task ``max_rows`` (default 1024) generated records, deterministic in
+        ``seed``. Bad rows raise ``DataError`` naming the file, the row and the field.
         """
+        if not path and self.generate_spec is not None:
+            return load_function(self.generate_spec)(max_rows or 1024, seed, chat=self.chat)
         source = path or self.default_path
         if source is None:
             raise ValueError(f"task '{self.name}' has no default data; pass a path")
@@ -353,6 +365,7 @@ def builtin_task(
         system_prompt=system_prompt,
         extract_spec=extract_spec,
         equal_spec=equal_spec,
+        term_weights={"correct": 1.0, "format": float(format_weight)},
     )
 
 
@@ -374,6 +387,12 @@ def _countdown(**kwargs: Any) -> Task:
     return task(**kwargs)
 
 
+def _calculator(**kwargs: Any) -> Task:
+    from relign.envs.calculator import task
+
+    return task(**kwargs)
+
+
 # The registry is a plain dict (DESIGN.md, principle 5). Factories import lazily so that
 # importing relign.envs does not import math_verify/sympy.
 TASKS: dict[str, Callable[..., Task]] = {
@@ -381,6 +400,7 @@ TASKS: dict[str, Callable[..., Task]] = {
     "math": _math,
     "math500": _math,
     "countdown": _countdown,
+    "calculator": _calculator,
     "custom": make_custom_task,
 }
 
@@ -403,3 +423,8 @@ def get_task(name_or_spec: str, **kwargs: Any) -> Task:
     if not isinstance(task, Task):
         raise TypeError(f"task factory {name_or_spec!r} returned {type(task).__name__}, not a Task")
     return task
+
+
+def is_multi_turn(name: str) -> bool:
+    """Whether the registered task ``name`` runs its episodes in a multi-turn environment."""
+    return name in TASKS and name != "custom" and TASKS[name]().env is not None

@@ -14,6 +14,11 @@ Each turn the model either calls the tool or answers:
 
 ``next_state`` is always ``state + action + observation``, so the driver appends only the
 observation's tokens. The turn limit belongs to the driver.
+
+``task()`` is the registered task "calculator": its environment is ``CalculatorEnv`` and its
+problems are generated (``make_calculator_records``) unless a file of
+``{"expression", "answer"}`` rows is given, so nothing outside this module needs to know
+that the calculator is multi-turn.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import re
 from fractions import Fraction
 from typing import Any
 
+from relign.data.readers import DataError
+from relign.envs.base import Task
 from relign.envs.safe_arith import ArithError, evaluate, format_number
 
 MAX_EXPR_LEN = 200
@@ -107,3 +114,27 @@ def make_calculator_records(
         prompt: dict[str, Any] = {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
         records.append({**prompt, "extra_info": {"answer": answer, "expression": expr}})
     return records
+
+
+def reward(prompt: str, response: str, extra_info: dict, **_: Any) -> dict:
+    """A whole episode's text scored at once: 1 if its last ``<answer>`` is right (what the
+    environment gives at the end of the episode)."""
+    answers = _ANSWER.findall(response)
+    r = float(bool(answers) and answer_correct(answers[-1].strip(), extra_info["answer"]))
+    return {"reward": r, "score": r, "components": {"correct": r}}
+
+
+def parse_row(raw: dict, source: str, row: int) -> tuple[dict, dict]:
+    for key in ("expression", "answer"):
+        if raw.get(key) is None:
+            raise DataError(source, row, key, "missing")
+    return {"expression": raw["expression"]}, {"answer": str(raw["answer"]), "expression": raw["expression"]}
+
+
+def task(*, chat: bool = False, system_prompt: str | None = None, **_: Any) -> Task:
+    """The calculator tool task: generated problems, ``CalculatorEnv`` episodes."""
+    return Task(
+        name="calculator", parse_row=parse_row, template=TEMPLATE, reward_spec="relign.envs.calculator:reward",
+        chat=chat, system_prompt=system_prompt, env="relign.envs.calculator:CalculatorEnv",
+        generate_spec="relign.envs.calculator:make_calculator_records", term_weights={"correct": 1.0},
+    )

@@ -14,7 +14,17 @@ never re-tokenizes the model's own tokens; otherwise it must re-encode ``next_st
 
 There is no ``reset``: the initial state is the record's prompt, as in RL2. An env that must
 build it may define ``async def reset(self, extra_info: dict) -> str``; a driver that finds
-it calls it instead of using the prompt (``initial_state``).
+it calls it instead of using the prompt (``initial_state``), once per prompt, so the G
+episodes of a group (whose rewards are compared) start from the same state.
+
+Broken results are errors, not masked episodes. A ``step`` result that breaks the contract
+(not a dict, a missing key, a non-finite or non-numeric reward/score, a wrong type) is a
+deterministic bug in the env: it would break the same way on every run, and training around
+it (reward 0, episode dropped) would hide it behind a slowly worse reward curve. So
+``check_step_result`` raises ``EnvError`` and the driver lets it end the run, naming the env,
+the turn and the episode. An exception raised *inside* ``step`` is different: tools fail
+transiently (a timeout, a sandbox that died), so the driver ends only that episode with
+reward 0 and counts it (``Episode.env_errors``).
 """
 
 from __future__ import annotations
@@ -38,33 +48,66 @@ class Env(Protocol):
         ...
 
 
+class EnvError(ValueError):
+    """An environment broke the contract (see the module docstring: an error, not a mask).
+
+    ``key`` is the offending result key (None when the result is not a dict at all) and
+    ``value`` what the env put there (the whole result when it is not a dict).
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, value: Any = None):
+        super().__init__(message)
+        self.key = key
+        self.value = value
+
+
+class EnvTypeError(EnvError, TypeError):
+    """A contract violation of the wrong-type kind; also a ``TypeError`` for callers that catch that."""
+
+
 async def initial_state(env: Any, prompt: str, extra_info: dict) -> str:
     """The episode's first state: ``env.reset(extra_info)`` if the env defines it, else the prompt."""
     reset = getattr(env, "reset", None)
-    return await reset(extra_info) if reset is not None else prompt
+    if reset is None:
+        return prompt
+    state = await reset(extra_info)
+    if not isinstance(state, str):
+        raise EnvTypeError(f"Env.reset must return a string, got {type(state).__name__}", key="state", value=state)
+    return state
 
 
 def check_step_result(result: Any, state: str, action: str) -> tuple[StepResult, bool]:
     """Validate what ``step`` returned; also say whether ``state + action`` prefixes ``next_state``.
 
-    Raises ``TypeError``/``ValueError`` naming the bad key, so a broken env fails loudly in
-    the driver instead of training on garbage.
+    Raises ``EnvError`` (a ``ValueError``; ``EnvTypeError`` for wrong types, also a
+    ``TypeError``) naming the bad key, so a broken env fails loudly in the driver instead of
+    training on garbage.
     """
     if not isinstance(result, dict):
-        raise TypeError(f"Env.step must return a dict, got {type(result).__name__}")
+        raise EnvTypeError(f"Env.step must return a dict, got {type(result).__name__}", value=result)
     missing = [k for k in StepResult.__annotations__ if k not in result]
     if missing:
-        raise ValueError(f"Env.step result lacks {missing}; needs next_state, reward, score, done, extra_info")
+        raise EnvError(
+            f"Env.step result lacks {missing}; needs next_state, reward, score, done, extra_info", key=missing[0]
+        )
     if not isinstance(result["next_state"], str):
-        raise TypeError(f"Env.step 'next_state' must be a string, got {type(result['next_state']).__name__}")
+        raise EnvTypeError(
+            f"Env.step 'next_state' must be a string, got {type(result['next_state']).__name__}",
+            key="next_state", value=result["next_state"],
+        )
     for key in ("reward", "score"):
         v = result[key]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ValueError(f"Env.step '{key}' must be a finite number, got {v!r}")
+            raise EnvError(f"Env.step '{key}' must be a finite number, got {v!r}", key=key, value=v)
     if not isinstance(result["done"], bool):
-        raise TypeError(f"Env.step 'done' must be a bool, got {type(result['done']).__name__}")
+        raise EnvTypeError(
+            f"Env.step 'done' must be a bool, got {type(result['done']).__name__}", key="done", value=result["done"]
+        )
     if not isinstance(result["extra_info"], dict):
-        raise TypeError(f"Env.step 'extra_info' must be a dict, got {type(result['extra_info']).__name__}")
+        raise EnvTypeError(
+            f"Env.step 'extra_info' must be a dict, got {type(result['extra_info']).__name__}",
+            key="extra_info", value=result["extra_info"],
+        )
     out: StepResult = {
         "next_state": result["next_state"],
         "reward": float(result["reward"]),

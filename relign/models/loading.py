@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.modules.dropout import _DropoutNd
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,49 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False):
     return tok
 
 
+def _is_dropout_name(name: str) -> bool:
+    return "dropout" in name or name.endswith("pdrop")
+
+
+def _zero_dropout_fields(obj: Any) -> None:
+    """0.0 for every number-valued dropout attribute of ``obj`` (a module or a config)."""
+    for name, value in list(vars(obj).items()):
+        if _is_dropout_name(name) and isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0:
+            setattr(obj, name, 0.0)
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Turn every dropout of ``model`` off, in place; the train/eval mode is left as it is.
+
+    Why: post-training compares the policy with a reference (DPO, KTO, the RL KL) or reads
+    values and rewards, and these must be deterministic functions of the weights. The policy
+    trains in train mode while the reference is scored in eval mode, so any dropout left on
+    makes pi != pi_ref at step 1 (a tiny Qwen2 with attention_dropout=0.5: step-1 DPO loss
+    0.6903 instead of log 2 = 0.6931) and adds noise to every log-ratio. TRL does the same
+    (``disable_dropout=True``). ``eval()`` is not an option: HF gradient checkpointing only
+    runs in train mode. Three places hold dropout:
+
+    * ``nn.Dropout`` modules (and Dropout1d/2d/3d, AlphaDropout): ``p = 0``;
+    * float attributes such as ``attention_dropout`` (Qwen2/Llama attention passes it to the
+      SDPA kernel when ``self.training``), ``attn_dropout``, ``hidden_dropout``, ``attn_pdrop``;
+    * ``model.config`` (fields with ``dropout`` in their name or ending in ``pdrop``), so a
+      ``save_pretrained`` copy reloads dropout-free elsewhere too.
+    """
+    from transformers import PretrainedConfig
+
+    for module in model.modules():
+        if isinstance(module, _DropoutNd):  # nn.Dropout, Dropout1d/2d/3d, AlphaDropout, ...
+            module.p = 0.0
+        _zero_dropout_fields(module)
+    configs = [getattr(model, "config", None)]
+    while configs:  # composite configs (text_config, vision_config, ...) hold their own dropouts
+        cfg = configs.pop()
+        if isinstance(cfg, PretrainedConfig):
+            _zero_dropout_fields(cfg)
+            configs.extend(vars(cfg).values())
+    return model
+
+
 def load_causal_lm(
     path: str,
     *,
@@ -93,7 +137,7 @@ def load_causal_lm(
     gradient_checkpointing: bool = False,
     device: str | torch.device = "cpu",
 ):
-    """A Hugging Face causal LM in train mode on ``device``."""
+    """A Hugging Face causal LM in train mode on ``device``, with its dropout off (``disable_dropout``)."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(path)
@@ -105,6 +149,8 @@ def load_causal_lm(
         trust_remote_code=trust_remote_code,
     )
     model.to(device)
+    # before any LoRA wrapping, so the adapter's own lora.dropout stays what the user asked
+    disable_dropout(model)
     if gradient_checkpointing:
         # transformers 5 renamed gradient_checkpointing_enable; keep both working.
         kwargs = {"use_reentrant": False}

@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 
 from ..data.preference import encode_prompt_response
-from .loading import _check_source, load_tokenizer, resolve_dtype, resolve_model_path
+from .loading import _check_source, disable_dropout, load_tokenizer, resolve_dtype, resolve_model_path
 
 VERIFIER_TEMPLATE = "Problem:\n{problem}\n\nSolution:\n{solution}\n\nIs the answer correct? Answer Yes or No."
 """The verifier's question. Training data (``recipes.verifier``) and scoring both use it."""
@@ -50,7 +50,7 @@ def load_reward_model(path: str, *, dtype: str = "fp32", attn_implementation: st
 
     The head of a new model starts at zero (transformers would draw it at random): every
     reward starts at 0, so the first loss is log 2 and the first gradients come from the data,
-    not from a random ranking."""
+    not from a random ranking. Dropout is off (``loading.disable_dropout``); train mode stays."""
     import logging
 
     from transformers import AutoModelForSequenceClassification
@@ -68,6 +68,9 @@ def load_reward_model(path: str, *, dtype: str = "fp32", attn_implementation: st
         path, num_labels=1, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
     )
+    # rewards must be a deterministic function of the weights (training in train mode, scoring
+    # in eval mode); the recipe wraps LoRA after this, so lora.dropout is left as asked
+    disable_dropout(model)
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     if fresh:

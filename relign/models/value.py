@@ -48,10 +48,18 @@ class ValueModel(torch.nn.Module):
         return torch.nn.functional.pad(v[:, :-1], (1, 0), value=0.0)
 
     def save_pretrained(self, path, safe_serialization: bool = True, state_dict=None) -> None:
+        """The backbone as a HF folder plus the head's file. ``state_dict``: this module's full
+        state (``lm.*``, ``head.*``) gathered from FSDP shards; else the module's own tensors."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        self.lm.save_pretrained(path, safe_serialization=True)
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.head.state_dict().items()}, str(path / self.HEAD_FILE))
+        if state_dict is None:
+            self.lm.save_pretrained(path, safe_serialization=True)
+            head = self.head.state_dict()
+        else:
+            self.lm.save_pretrained(path, safe_serialization=True,
+                                    state_dict={k[3:]: v for k, v in state_dict.items() if k.startswith("lm.")})
+            head = {k[5:]: v for k, v in state_dict.items() if k.startswith("head.")}
+        save_file({k: v.detach().contiguous().cpu() for k, v in head.items()}, str(path / self.HEAD_FILE))
 
     def load_head(self, path) -> None:
         sd = load_file(str(Path(path) / self.HEAD_FILE))

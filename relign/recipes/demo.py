@@ -134,7 +134,9 @@ def _check(cfg: Config) -> None:
         if d.train_problems < d.prompts_per_step or d.test_problems < 1:
             raise ConfigError("demo.train_problems must be >= demo.prompts_per_step and demo.test_problems >= 1")
         return
-    if d.task in ("custom", "calculator"):
+    from ..envs.base import is_multi_turn
+
+    if d.task == "custom" or is_multi_turn(d.task):
         raise ConfigError(f"demo.task={d.task} is not supported: give a single-turn task name or a 'module:factory' spec")
     if not d.train_path and d.task not in KNOWN_TRAIN:
         raise ConfigError(f"demo.task={d.task}: set demo.train_path to its training prompts (known defaults: {', '.join(KNOWN_TRAIN)})")

@@ -159,13 +159,42 @@ def pair_loss(cfg: Config, pc, pr, nc, nr, rc=None, rr=None) -> tuple[torch.Tens
 
 
 def kl_examples(examples: list[UnpairedExample], max_length: int) -> list[UnpairedExample]:
-    """KTO's mismatched pairs: prompt i with the completion of example i + 1 (cyclically).
+    """KTO's mismatched pairs: prompt i with the completion of an example of another prompt.
+
+    KTO's reference point z0 estimates KL(pi || pi_ref) from completions that do not answer
+    their prompt (Ethayarajh et al. 2024, "KTO", arXiv 2402.01306; TRL's KTOTrainer rotates a
+    batch's completions by one, ``_get_kl_dataset``). A shift by one is wrong here: pairs split
+    into a desirable and an undesirable row come out as [A+, A-, B+, B-, ...], so i + 1 is often
+    the same prompt's other answer, a matched pair. The completions are therefore shifted by the
+    smallest offset s in [1, n) that gives no row a completion of its own prompt (prompts
+    compared by token ids; s = 2 for split pairs). When no single shift works (irregular data)
+    each row takes the next example, cyclically, with a different prompt.
 
     The pairing is fixed by the data order (not by the batch), so the reference log-probs of
-    these rows can be computed once like the others."""
+    these rows can be computed once like the others (the cache fingerprint covers the ids)."""
+    if not examples:
+        return []
+    prompts: dict[tuple[int, ...], int] = {}
+    group = [prompts.setdefault(tuple(e.input_ids[: e.prompt_len]), len(prompts)) for e in examples]  # prompt id per row
+    n = len(examples)
+    if len(prompts) < 2:
+        raise ConfigError("KTO needs at least two distinct prompts to build the mismatched (prompt, completion) pairs of "
+                          f"its KL reference point; these {n} examples share one prompt (a held-out set: raise "
+                          "data.eval_fraction or give data.eval_path)")
+
+    def smallest_shift() -> int | None:
+        g = torch.tensor(group)
+        if torch.bincount(g).max() * 2 > n:  # one prompt holds most rows: every shift maps one onto itself
+            return None
+        return next((s for s in range(1, n) if not (g == g.roll(-s)).any()), None)  # g.roll(-s)[i] = g[i + s]
+
+    def next_other_prompt(i: int) -> int:
+        return next((i + k) % n for k in range(1, n) if group[(i + k) % n] != group[i])
+
+    s = smallest_shift()
     out = []
     for i, e in enumerate(examples):
-        o = examples[(i + 1) % len(examples)]
+        o = examples[(i + s) % n if s is not None else next_other_prompt(i)]
         ids = (e.input_ids[: e.prompt_len] + o.input_ids[o.prompt_len :])[:max_length]
         mask = ([0] * e.prompt_len + o.loss_mask[o.prompt_len :])[:max_length]
         out.append(UnpairedExample(ids, mask, e.prompt_len, o.label))
@@ -315,7 +344,9 @@ def train(cfg: Config) -> RunResult:
         if ref_model is not None:
             return sequence_logps(ref_model, mb, share_prompt=share and "kl" not in name)[0]
         with policy.disable_adapter():  # LoRA: the reference is the base model, no second copy
-            return sequence_logps(policy, mb, share_prompt=share and "kl" not in name)[0]
+            out = sequence_logps(policy, mb, share_prompt=share and "kl" not in name)[0]
+        distributed.reshard(policy)  # a forward with no backward (see distributed.reshard)
+        return out
 
     def kto_z0(name: str, idx: list[int]) -> torch.Tensor:
         """KTO's reference point from this step's mismatched pairs, the same on every rank."""
@@ -327,6 +358,7 @@ def train(cfg: Config) -> RunResult:
                 pol = sequence_logps(policy, mb, share_prompt=False)[0]
                 ref = reference_logps(name + "_kl", part, mb)
                 total += torch.stack([(pol - ref).sum(), torch.tensor(float(len(part)), device=device)])
+        distributed.reshard(policy)  # forwards with no backward (see distributed.reshard)
         total = distributed.all_reduce_sum(total)
         return (total[0] / total[1].clamp_min(1)).clamp_min(0.0)  # max(0, mean log ratio), detached
 
@@ -381,6 +413,7 @@ def train(cfg: Config) -> RunResult:
             for k, v in {"loss_sum": losses.sum(), **met}.items():
                 sums[k] = sums.get(k, torch.zeros((), device=device)) + v.detach()
         policy.train()
+        distributed.reshard(policy)
         return finish(sums, float(len(mine)), "eval/")
 
     lg = cfg.logging

@@ -166,6 +166,7 @@ def train(cfg: Config) -> RunResult:
         for part in chunks(mine, cfg.eval_batch_size):
             add(sums, *pair_losses(part, eval_set))
         model.train()
+        distributed.reshard(model)  # a forward with no backward (see distributed.reshard)
         return averaged(sums, float(len(mine)), "eval/")
 
     lg = cfg.logging

@@ -1,26 +1,27 @@
 """Reinforcement learning with verifiable (or learned) rewards: PPO, the GRPO family, RLOO, REINFORCE++.
 
     for each step:
-        1. rollout      G completions for each of the step's prompts (single- or multi-turn)
-        2. rewards      task reward functions in worker processes (errors and timeouts -> 0)
-                        [DAPO dynamic sampling: drop zero-variance groups, sample more prompts]
-        3. ref logps    only when a KL term is used
-        4. values       only with a critic (GAE)
-        5. old logps    only when the batch is used for more than one update (else reuse the
-                        detached current log-probs: the ratio is 1 and its gradient is exact)
-        6. advantages   group (GRPO / Dr. GRPO / RLOO), REINFORCE++, GAE or GDPO
-        7. updates      ppo_epochs x mini_batches optimizer steps of the clipped policy loss
+        1. rollout      G completions for each of the step's prompts (single- or multi-turn),
+                        scored by the task's reward in worker processes (errors, timeouts -> 0)
+                        [DAPO dynamic sampling: drop zero-variance groups, draw more prompts]
+        2. ref logps    only with a KL term
+        3. old logps    only when the batch serves more than one update (else the detached
+                        current log-probs: the ratio is 1 and its gradient exact)
+        4. values       only for an estimator that needs V(s_t) (GAE: the critic)
+        5. advantages   one estimator, looked up by name in ESTIMATORS
+        6. updates      ppo_epochs x mini_batches optimizer steps of the clipped policy loss
                         (+ KL, entropy), and of the clipped value loss for the critic
-        8. weight sync  to the engine (nothing to copy when the engine shares the policy)
+        7. weight sync  to the engine (nothing to copy when the engine shares the policy)
 
-Presets in examples/ name the published algorithms; see docs/rl.md for the table.
+Under torchrun every rank samples its share of the prompts, the groups are gathered, and the
+sequences are balanced over ranks and micro-batches by token count (``rl_update``). Presets in
+examples/ name the published algorithms; see docs/rl.md for the table.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,10 +30,20 @@ import torch
 from .. import distributed
 from ..algorithms import advantages as adv_fns
 from ..algorithms import shaping
-from ..algorithms.aggregation import MODES, aggregate, aggregate_count
-from ..algorithms.kl import kl_estimate, kl_penalty_rewards
-from ..algorithms.policy_losses import entropy_bonus_loss, gspo_loss, ppo_clip_loss, truncated_is_weights, value_loss
-from ..checkpoint import load_checkpoint, load_model_weights, resolve_resume, save_checkpoint, seed_everything
+from ..algorithms.aggregation import MODES
+from ..algorithms.kl import kl_estimate
+from ..algorithms.policy_losses import truncated_is_weights
+from ..checkpoint import (
+    gather_train_state,
+    load_checkpoint,
+    load_model_weights,
+    resolve_resume,
+    restore_optimizer,
+    resume_training,
+    save_checkpoint,
+    save_final,
+    seed_everything,
+)
 from ..config import (
     CheckpointConfig,
     ConfigError,
@@ -44,27 +55,24 @@ from ..config import (
     save_resolved_config,
 )
 from ..data.collate import StepSampler
-from ..models.loading import apply_lora, load_causal_lm, load_tokenizer, resolve_device, trainable_parameters
-from ..models.logprobs import shared_prefix_token_logps, token_logps
-from ..models.value import ValueModel
-from ..optim import build_optimizer, build_scheduler, clip_gradients, warmup_steps_of
-from ..rollout.batch import RolloutBatch, build_batch, micro_slices
-from ..rollout.engine import SamplingParams
-from ..rollout.hf_engine import HFEngine
-from ..rollout.collect import RolloutCollector
 from ..evaluate import EvalDuringTrainingConfig, PeriodicEval, check_eval_during_training
-from ..tracking import Tracker, read_metrics
-from . import RunResult
-
-ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "gdpo")
+from ..models.loading import load_tokenizer, resolve_device, trainable_parameters
+from ..optim import build_optimizer, build_training
+from ..rollout.batch import RolloutBatch, build_batch
+from ..rollout.traces import write_traces
+from ..tracking import StageClock, read_metrics
+from . import RunResult, build
+from .rl_update import ActorLoss, Layout, Stats, plan, score_logps, score_values, update_critic, update_policy
 
 
 @dataclass
 class RolloutConfig:
+    engine: str = "hf"
+    """Inference engine: hf (built in, shares the policy's weights in one process)."""
     n: int = 8
     """Completions per prompt (group size G)."""
     temperature: float = 1.0
-    """Sampling temperature (the trainer scores log-probs at the same temperature)."""
+    """Sampling temperature (the trainer scores log-probs at the same temperature); must be > 0."""
     top_p: float = 1.0
     """Nucleus sampling mass (1 = off)."""
     top_k: int = 0
@@ -80,7 +88,7 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)
     """Stop strings."""
     max_turns: int = 1
-    """Model turns per episode with a multi-turn environment (task.env)."""
+    """Model turns per episode with a multi-turn environment (task.env, or a task that has one)."""
     max_batch_rows: int = 256
     """Most sequences the engine decodes at once."""
 
@@ -88,7 +96,7 @@ class RolloutConfig:
 @dataclass
 class TaskConfig:
     name: str = "gsm8k"
-    """Built-in task (gsm8k, math, countdown) or 'custom' with data path + reward_fn."""
+    """Built-in task (gsm8k, math, countdown, calculator) or 'custom' with data path + reward_fn."""
     path: str = ""
     """Training prompts: a file, dataset folder or hub id (empty: the task's default source)."""
     split: str = ""
@@ -110,7 +118,7 @@ class TaskConfig:
     reward_workers: int = 2
     """Reward worker processes (0 = in-process, no timeout enforcement)."""
     env: str = ""
-    """Multi-turn environment class 'module:Class' or 'file.py:Class' (empty = single-turn)."""
+    """Multi-turn environment class 'module:Class' or 'file.py:Class' (empty = the task's own, if any)."""
 
 
 @dataclass
@@ -120,7 +128,7 @@ class AlgorithmConfig:
     scale_rewards: str = "none"
     """Group advantages: 'std' divides by the group std (GRPO), 'none' does not (Dr. GRPO)."""
     policy_loss: str = "ppo_clip"
-    """ppo_clip (token-level ratio) or gspo (sequence-level ratio)."""
+    """ppo_clip (token-level ratio) or gspo (sequence-level ratio; needs loss_agg=seq-mean-token-mean)."""
     loss_agg: str = "seq-mean-token-sum-norm"
     """token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm."""
     clip_low: float = 0.2
@@ -129,18 +137,18 @@ class AlgorithmConfig:
     """Upper clip range epsilon_high (DAPO clip-higher uses 0.28)."""
     dual_clip: float = 0.0
     """Dual-clip constant c > 1 bounding the loss for negative advantages (0 = off)."""
+    kl: str = "none"
+    """KL to the reference policy: none, loss (beta * KL added to the loss, GRPO) or reward (-beta * KL per token in the reward, PPO-RLHF)."""
     kl_coef: float = 0.0
-    """beta of the KL(pi || pi_ref) term (0 = no reference model)."""
+    """beta of the KL term (> 0 when algorithm.kl is loss or reward)."""
     kl_estimator: str = "k3"
     """k1, k2 or k3."""
-    kl_in_reward: bool = False
-    """Apply KL as a per-token reward penalty instead of a loss term."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     mini_batches: int = 1
-    """Optimizer steps per pass (the batch is split into this many mini-batches)."""
+    """Optimizer steps per pass: the step's groups are split into exactly this many mini-batches."""
     gamma: float = 1.0
     """Discount (GAE, REINFORCE++)."""
     lam: float = 1.0
@@ -150,17 +158,17 @@ class AlgorithmConfig:
     tis_cap: float = 0.0
     """Truncated importance-sampling cap between sampling and trainer log-probs (0 = off)."""
     dynamic_sampling: bool = False
-    """DAPO: drop groups whose rewards are all equal and sample more prompts to refill."""
+    """DAPO: drop groups whose rewards are all equal and draw more prompts to refill the batch."""
     max_sampling_rounds: int = 3
-    """Dynamic sampling: most rollout rounds per step."""
+    """Dynamic sampling: most generation batches per step (a step that keeps no group is skipped)."""
     overlong: str = "none"
     """Overlong shaping: none, penalty (DAPO soft penalty) or mask (drop truncated completions from the loss)."""
     overlong_cache: int = 0
-    """Soft-penalty window L_cache in tokens before max_new_tokens."""
+    """Soft-penalty window L_cache in tokens before the episode's token budget."""
     overlong_factor: float = 1.0
     """Largest overlong penalty."""
-    gdpo_weights: list[float] = field(default_factory=list)
-    """GDPO: weight per reward component (sorted by name; empty = all 1)."""
+    gdpo_weights: dict[str, float] = field(default_factory=dict)
+    """GDPO: weights of named reward terms, overriding the reward's own (correct 1, format task.format_weight, ...)."""
 
 
 @dataclass
@@ -212,403 +220,431 @@ class Config:
     max_steps: int = 100
     """Rollout + update steps."""
     prompts_per_step: int = 8
-    """Prompts per step; the batch holds prompts_per_step x rollout.n completions."""
-    micro_batch_size: int = 8
-    """Sequences per forward/backward pass."""
+    """Prompts per step over all ranks; the batch holds prompts_per_step x rollout.n completions."""
+    max_tokens_per_micro: int = 4096
+    """Token budget of one forward/backward pass on one rank (prompt + response tokens as computed; 0 = no limit)."""
+    micro_batch_size: int = 0
+    """Most sequences in one forward/backward pass (0 = no limit: max_tokens_per_micro decides)."""
+    share_prompt: bool = True
+    """Padded micro-batches: run each group's prompt once and reuse its KV cache for the G responses."""
+    packing: bool = False
+    """Pack each micro-batch's sequences into one row with per-sequence position ids (flash-attention varlen on GPU)."""
     traces_per_step: int = 64
     """Completions written to rollouts/step_N.jsonl each step (0 = none)."""
     nan_patience: int = 3
     """Stop (after saving the last good checkpoint) when this many updates in a row are non-finite."""
-    share_prompt: bool = True
-    """Run each group's prompt once in training forwards (needs micro_batch_size to be a multiple of rollout.n)."""
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+@dataclass
+class Rewards:
+    """What the estimators read. Sequence level: ``seq`` [N] = task reward (+ overlong penalty)
+    (- beta * sum_t KL_t with the KL in the reward) and GDPO's ``terms`` [N, K] with
+    ``term_weights`` [K]. Token level: ``token`` [N, L], the task's rewards per token (outcome,
+    or turn rewards, plus the overlong penalty, on the last model token), and ``penalties``
+    [N, L] = -beta * KL_t when the KL is in the reward."""
+
+    seq: torch.Tensor
+    token: torch.Tensor
+    terms: torch.Tensor
+    term_weights: torch.Tensor
+    penalties: torch.Tensor | None = None
+    outcome: torch.Tensor | None = None
+    """[N] the task reward with its shaping, before any KL term (what reward/mean reports)."""
+
+
+@dataclass(frozen=True)
+class AdvantageOptions:
+    group_size: int
+    scale_rewards: str = "none"
+    gamma: float = 1.0
+    lam: float = 1.0
+    whiten: bool = True
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator: ``fn(rewards, mask, values, options) -> (advantages [N, L], returns | None)``."""
+
+    fn: Callable
+    values: str = ""
+    """What V(s_t) it needs: "" (none) or "critic" (a learned value model, trained on the returns)."""
+    compares_samples: bool = False
+    """It compares the G samples of a prompt (needs rollout.n >= 2)."""
+
+
+def _group(baseline: str) -> Callable:
+    def fn(r: Rewards, mask, values, o: AdvantageOptions):
+        a = adv_fns.group_advantages(r.seq, o.group_size, baseline=baseline, scale=o.scale_rewards)
+        return a.unsqueeze(-1) * mask, None  # the sequence's advantage on each of its tokens
+    return fn
+
+
+def _gdpo(r: Rewards, mask, values, o: AdvantageOptions):
+    return adv_fns.gdpo_advantages(r.terms, o.group_size, r.term_weights).unsqueeze(-1) * mask, None
+
+
+def _reinforce_pp(baseline: str) -> Callable:
+    def fn(r: Rewards, mask, values, o: AdvantageOptions):
+        a = adv_fns.reinforce_pp_advantages(r.token, mask, gamma=o.gamma, group_size=o.group_size, baseline=baseline,
+                                            token_penalties=r.penalties)
+        return a, None
+    return fn
+
+
+def _gae(r: Rewards, mask, values, o: AdvantageOptions):
+    rewards = r.token if r.penalties is None else r.token + r.penalties
+    a, returns = adv_fns.gae(rewards, values, mask, gamma=o.gamma, lam=o.lam)
+    return (adv_fns.masked_whiten(a, mask) if o.whiten else a) * mask, returns
+
+
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(_group("mean"), compares_samples=True),
+    "rloo": Estimator(_group("leave_one_out"), compares_samples=True),
+    "gdpo": Estimator(_gdpo, compares_samples=True),
+    "reinforce_pp": Estimator(_reinforce_pp("none")),
+    "reinforce_pp_baseline": Estimator(_reinforce_pp("group_mean"), compares_samples=True),
+    "gae": Estimator(_gae, values="critic"),
+}
+
+
+def shaped_rewards(groups, batch: RolloutBatch, *, term_weight: Callable[[str], float], overlong: str = "none",
+                   max_len: int = 0, overlong_cache: int = 0, overlong_factor: float = 1.0,
+                   kl_tok: torch.Tensor | None = None, kl_coef: float = 0.0) -> Rewards:
+    """The step's rewards for the estimators (see ``Rewards``), from the episodes' task rewards.
+
+    DAPO's overlong penalty compares an episode's response tokens (model and environment,
+    what the token budget counts) with the episode's budget ``max_len``. With ``kl_tok``
+    [N, L] the KL is in the reward: -beta * KL_t per token, -beta * sum_t KL_t per sequence,
+    and a "kl" term for GDPO. Every term is one column of ``terms``, which GDPO normalizes
+    within the group on its own and then weighs (the task's own weights, e.g. format_weight).
+    """
+    eps = [e for g in groups for e in g.episodes]
+    dev = batch.input_ids.device
+    seq = torch.tensor([e.reward for e in eps], dtype=torch.float32, device=dev)
+    token = batch.token_rewards.clone()
+    names = sorted({k for e in eps for k in e.terms})
+    cols = [[e.terms.get(k, 0.0) for k in names] for e in eps]
+    weights = [term_weight(k) for k in names]
+    if overlong == "penalty":
+        lengths = torch.tensor([len(e.response_ids) for e in eps], dtype=torch.float32, device=dev)
+        pen = shaping.overlong_penalty(lengths, max_len=max_len, cache_len=overlong_cache, factor=overlong_factor)
+        seq = seq + pen
+        token[torch.arange(len(eps), device=dev), batch.last_token] += pen
+        names, weights = names + ["overlong"], weights + [1.0]
+        cols = [c + [p] for c, p in zip(cols, pen.tolist())]
+    outcome, penalties = seq, None
+    if kl_tok is not None:
+        kl_tok = kl_tok * batch.response_mask
+        penalties = -kl_coef * kl_tok
+        kl_seq = kl_tok.sum(-1)  # [N]
+        seq = seq - kl_coef * kl_seq  # the sequence-level form (RLOO, InstructGPT): R_i - beta * sum_t KL_t
+        names, weights = names + ["kl"], weights + [-kl_coef]
+        cols = [c + [k] for c, k in zip(cols, kl_seq.tolist())]
+    return Rewards(seq=seq, token=token, terms=torch.tensor(cols, dtype=torch.float32, device=dev).reshape(len(eps), -1),
+                   term_weights=torch.tensor(weights, dtype=torch.float32, device=dev), penalties=penalties, outcome=outcome)
+
+
+def check_terms(groups, term_weight: Callable[[str], float]) -> None:
+    """GDPO normalizes the reward's terms one by one, so they must add up to the reward."""
+    for i, e in enumerate(e for g in groups for e in g.episodes):
+        total = sum(term_weight(k) * v for k, v in e.terms.items())
+        if e.reward_error is None and abs(total - e.reward) > 1e-5 * max(1.0, abs(e.reward)):
+            raise ConfigError(
+                f"algorithm.advantage=gdpo: completion {i}'s reward {e.reward:g} is not the weighted sum of its terms "
+                f"{e.terms} (= {total:g}); return components that add up to the reward, or set algorithm.gdpo_weights")
+
+
+# --------------------------------------------------------------------------- checks and set-up
 
 
 def _check(cfg: Config) -> None:
-    a = cfg.algorithm
-    check_choice("algorithm.advantage", a.advantage, ADVANTAGES)
+    a, ro = cfg.algorithm, cfg.rollout
+    check_choice("algorithm.advantage", a.advantage, tuple(ESTIMATORS))
     check_choice("algorithm.scale_rewards", a.scale_rewards, ("std", "none"))
     check_choice("algorithm.policy_loss", a.policy_loss, ("ppo_clip", "gspo"))
     check_choice("algorithm.loss_agg", a.loss_agg, MODES)
+    check_choice("algorithm.kl", a.kl, ("none", "loss", "reward"))
     check_choice("algorithm.kl_estimator", a.kl_estimator, ("k1", "k2", "k3"))
     check_choice("algorithm.overlong", a.overlong, ("none", "penalty", "mask"))
     check_choice("reward.kind", cfg.reward.kind, ("auto", "rm", "verifier"))
-    if cfg.reward.model and (cfg.task.env or cfg.task.name == "calculator"):
-        raise ConfigError("reward.model scores single-turn completions; it cannot be combined with a multi-turn task.env")
-    if a.advantage in ("grpo", "rloo", "gdpo", "reinforce_pp_baseline") and cfg.rollout.n < 2:
+    if a.kl != "none" and a.kl_coef <= 0:
+        raise ConfigError(f"algorithm.kl={a.kl} needs algorithm.kl_coef > 0 (the beta of the KL term)")
+    if a.kl == "none" and a.kl_coef > 0:
+        raise ConfigError(f"algorithm.kl_coef={a.kl_coef} has no effect with algorithm.kl=none: set algorithm.kl=loss "
+                          "(beta * KL in the loss, GRPO) or algorithm.kl=reward (-beta * KL per token in the reward, PPO)")
+    if ro.temperature <= 0:
+        raise ConfigError(f"rollout.temperature={ro.temperature}: RL needs sampling (temperature > 0); greedy decoding "
+                          "gives G identical samples, and log-probs at temperature 0 are not defined")
+    if a.policy_loss == "gspo" and a.loss_agg != "seq-mean-token-mean":
+        raise ConfigError(f"algorithm.policy_loss=gspo needs algorithm.loss_agg=seq-mean-token-mean (got {a.loss_agg}): "
+                          "GSPO's objective is the mean over sequences of the sequence-level clipped term")
+    if ESTIMATORS[a.advantage].compares_samples and ro.n < 2:
         raise ConfigError(f"algorithm.advantage={a.advantage} compares samples of a prompt: set rollout.n >= 2")
-    if a.overlong == "penalty" and not 0 <= a.overlong_cache <= cfg.rollout.max_new_tokens:
-        raise ConfigError(
-            f"algorithm.overlong_cache={a.overlong_cache} must lie in [0, rollout.max_new_tokens={cfg.rollout.max_new_tokens}]"
-        )
-    if cfg.prompts_per_step < 1 or cfg.micro_batch_size < 1 or a.mini_batches < 1 or a.ppo_epochs < 1:
-        raise ConfigError("prompts_per_step, micro_batch_size, algorithm.mini_batches and algorithm.ppo_epochs must be >= 1")
-    check_eval_during_training(cfg.eval, task=cfg.task.name, env=cfg.task.env)
+    budget = ro.max_response_tokens or ro.max_new_tokens * ro.max_turns
+    if a.overlong == "penalty" and not 0 <= a.overlong_cache <= budget:
+        raise ConfigError(f"algorithm.overlong_cache={a.overlong_cache} must lie in [0, {budget}] (the episode's token budget)")
+    if min(cfg.prompts_per_step, a.mini_batches, a.ppo_epochs, a.max_sampling_rounds) < 1 or cfg.micro_batch_size < 0:
+        raise ConfigError("prompts_per_step, algorithm.mini_batches, algorithm.ppo_epochs and algorithm.max_sampling_rounds "
+                          "must be >= 1 (micro_batch_size >= 0)")
+    if a.mini_batches > cfg.prompts_per_step:
+        raise ConfigError(f"algorithm.mini_batches={a.mini_batches} > prompts_per_step={cfg.prompts_per_step}: mini-batches "
+                          "are made of whole groups (a group's samples are never split)")
+    world = distributed.world_size()
+    if cfg.prompts_per_step % world:
+        raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} does not divide across {world} ranks "
+                          f"(torchrun --nproc_per_node): each rank samples prompts_per_step / {world} prompts")
 
 
-def _forward(model, mb: dict[str, torch.Tensor], temperature: float, *, group_size: int = 0, with_entropy=False,
-             entropy_grad=False):
-    """Log-probs (and entropy) [n, L] of a micro-batch; ``group_size`` > 0: its rows are whole
-    groups sharing a prompt, and each prompt is computed once."""
-    if group_size > 1:
-        return shared_prefix_token_logps(
-            model, mb["input_ids"], mb["attention_mask"], mb["prompt_lens"], group_size, temperature=temperature,
-            with_entropy=with_entropy, entropy_grad=entropy_grad,
-        )
-    # Rows are right-padded: cut the micro-batch to its longest row, and let causal attention
-    # ignore the trailing padding (no mask needed), then pad the results back to the batch width.
-    L = mb["input_ids"].shape[1]
-    width = int(mb["attention_mask"].sum(-1).max())
-    logps, ent = token_logps(
-        model, mb["input_ids"][:, :width], temperature=temperature, with_entropy=with_entropy,
-        entropy_grad=entropy_grad, target_mask=mb["response_mask"][:, :width],
-    )
-    pad = lambda x: torch.nn.functional.pad(x, (0, L - width)) if x is not None else None  # noqa: E731
-    return pad(logps), pad(ent)
+@dataclass
+class _Run:
+    """Everything ``train`` drives; built once by ``_setup``."""
+
+    tok: object
+    policy: torch.nn.Module
+    ref: torch.nn.Module | None
+    critic: torch.nn.Module | None
+    engine: object
+    collector: object
+    sampler: StepSampler
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    critic_opt: torch.optim.Optimizer | None
+    layout: Layout
+    loss_fn: ActorLoss
+    estimator: Estimator
+    options: AdvantageOptions
+    tracker: object
+    evaluator: PeriodicEval | None
+    start: int
 
 
-@torch.no_grad()
-def _score_all(fn, batch: RolloutBatch, micro: int) -> torch.Tensor:
-    """Run ``fn(rows) -> [n, L]`` over the batch in micro-batches (no grad)."""
-    return torch.cat([fn(batch.rows(s)) for s in micro_slices(batch.size, micro)])
+def _setup(cfg: Config, device, run_dir) -> tuple[_Run, Callable[[int], None]]:
+    a, ro, m, t = cfg.algorithm, cfg.rollout, cfg.model, cfg.task
+    task = build.task_for(t)
+    check_eval_during_training(cfg.eval, task=t.name, env=t.env or task.env or "")
+    estimator = ESTIMATORS[a.advantage]
+    # ---- models: weights (a resumed run's) are loaded before sharding and before the engine's replica
+    tok = load_tokenizer(m.tokenizer or m.path, trust_remote_code=m.trust_remote_code)
+    policy = build.load_policy(m, device)
+    ckpt = resolve_resume(cfg.resume, run_dir)
+    ref = None
+    if a.kl != "none" and not m.lora.enabled:  # with LoRA the reference is the base model, adapter disabled
+        ref = distributed.wrap_fsdp(build.load_frozen(m.path, m, device))
+    critic = critic_opt = None
+    if estimator.values == "critic":
+        critic = build.load_critic(cfg.critic.path or m.path, m, device)
+        if ckpt is not None:
+            load_model_weights(critic.lm, ckpt / "critic")
+            critic.load_head(ckpt / "critic")
+        critic = distributed.wrap_fsdp(critic)
+        critic_opt = build_optimizer(critic, lr=cfg.critic.lr, weight_decay=cfg.optim.weight_decay,
+                                     betas=(cfg.optim.beta1, cfg.optim.beta2))
+    if ckpt is not None:
+        load_model_weights(policy, ckpt)
+    engine = build.engine_for(ro.engine, policy, tok, max_batch_rows=ro.max_batch_rows, seed=cfg.seed)
+    policy = distributed.wrap_fsdp(policy)
+    collector = build.collector_for(task, t, ro, cfg.reward, tok, engine, m=m, device=device, seed=cfg.seed)
+    sampler = StepSampler(len(collector), cfg.prompts_per_step, seed=cfg.seed)
+    # ---- optimizer: the schedule counts every planned update, ppo_epochs x mini_batches per step
+    optimizer, scheduler = build_training(policy, cfg.optim, cfg.max_steps * a.ppo_epochs * a.mini_batches)
+    start = resume_training(ckpt, policy, optimizer, scheduler, sampler)
+    if ckpt is not None:
+        tensors, _ = load_checkpoint(ckpt, restore_rng=False)
+        engine.load_state_dict(tensors["engine"])
+        if critic is not None:
+            restore_optimizer(critic, critic_opt, tensors["critic_optimizer"])
+    evaluator = None
+    if cfg.eval.every and distributed.is_main():  # held-out accuracy through the engine (rank 0)
+        evaluator = PeriodicEval(
+            cfg.eval, tok, run_dir, task=t.name, chat=t.chat, system_prompt=t.system_prompt, format_weight=t.format_weight,
+            reward_fn=t.reward_fn, reward_workers=t.reward_workers, reward_timeout=t.reward_timeout,
+            max_prompt_length=t.max_prompt_length, max_new_tokens=ro.max_new_tokens, stop=ro.stop, seed=cfg.seed)
+    tracker = build.tracker_for(cfg.logging, run_dir, total_steps=cfg.max_steps, start_step=start, desc="rl",
+                                bar_keys=("reward/mean", "reward/score", "actor/kl", "response/length_mean", "perf/tokens_per_s"))
+    if start:
+        tracker.write(f"resumed from {ckpt} at step {start}")
+    kind = "packed" if cfg.packing else ("shared" if cfg.share_prompt and ro.n > 1 else "padded")
+    layout = Layout(kind, group_size=ro.n, max_tokens=cfg.max_tokens_per_micro, max_rows=cfg.micro_batch_size)
+    loss_fn = ActorLoss(a.policy_loss, a.clip_low, a.clip_high, a.dual_clip, a.kl_coef if a.kl == "loss" else 0.0,
+                        a.kl_estimator, a.entropy_coef, a.loss_agg, collector.max_response_tokens)
+    options = AdvantageOptions(ro.n, a.scale_rewards, a.gamma, a.lam, a.whiten_advantages)
+    run = _Run(tok, policy, ref, critic, engine, collector, sampler, optimizer, scheduler, critic_opt, layout, loss_fn,
+               estimator, options, tracker, evaluator, start)
+
+    def save(step: int) -> None:
+        model_sd, optim_sd = gather_train_state(policy, optimizer)  # collectives under FSDP
+        tensors = {"optimizer": optim_sd, "scheduler": scheduler.state_dict(), "engine": engine.state_dict()}
+        extra = {}
+        if critic is not None:
+            critic_sd, tensors["critic_optimizer"] = gather_train_state(critic, critic_opt)
+            extra["critic"] = (critic, critic_sd)
+        if distributed.is_main():
+            save_checkpoint(run_dir, step, model=policy, tokenizer=tok, state_dict=model_sd, tensors=tensors,
+                            extra_models=extra, state={"sampler": sampler.state_dict(), "recipe": "rl"},
+                            keep_last=cfg.checkpoint.keep_last)
+        distributed.barrier()
+
+    return run, save
 
 
-def compute_advantages(cfg: AlgorithmConfig, batch: RolloutBatch, rewards: torch.Tensor, components: torch.Tensor | None,
-                       values: torch.Tensor | None, group_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token advantages [N, L] (and returns for the critic).
-
-    grpo / rloo / gdpo compare whole sequences: ``rewards`` [N] (minus beta * sum_t KL_t when
-    the KL is in the reward) or the reward ``components`` [N, K]; the sequence's advantage is
-    put on each of its tokens. reinforce_pp and gae work per token on ``batch.token_rewards``
-    (outcome on the last model token, KL penalty on every token when in the reward)."""
-    mask = batch.response_mask
-    if cfg.advantage in ("grpo", "rloo", "gdpo"):
-        if cfg.advantage == "gdpo" and components is not None:
-            w = torch.tensor(cfg.gdpo_weights, dtype=torch.float32) if cfg.gdpo_weights else None
-            a = adv_fns.gdpo_advantages(components, group_size, w)
-        else:
-            baseline = "leave_one_out" if cfg.advantage == "rloo" else "mean"
-            a = adv_fns.group_advantages(rewards, group_size, baseline=baseline, scale=cfg.scale_rewards)
-        return a.unsqueeze(-1) * mask, None  # the sequence's advantage on each of its tokens
-    if cfg.advantage.startswith("reinforce_pp"):
-        base = "group_mean" if cfg.advantage == "reinforce_pp_baseline" else "none"
-        return adv_fns.reinforce_pp_advantages(batch.token_rewards, mask, gamma=cfg.gamma, group_size=group_size, baseline=base), None
-    a, returns = adv_fns.gae(batch.token_rewards, values, mask, gamma=cfg.gamma, lam=cfg.lam)
-    if cfg.whiten_advantages:
-        a = adv_fns.masked_whiten(a, mask)
-    return a * mask, returns
-
-
-def actor_token_loss(a: AlgorithmConfig, logps, entropy, old_logps, advantages, mask, *, ref_logps=None, tis=None):
-    """Per-token actor loss [B, T]: the policy surrogate (times the TIS weight), plus
-    beta * KL when the KL is a loss term, minus the entropy bonus. Returns (loss, diagnostics)."""
-    if a.policy_loss == "gspo":
-        # GSPO uses one advantage per sequence: the (constant) per-token advantage of the row
-        seq_a = (advantages * mask).sum(-1) / mask.sum(-1).clamp_min(1)
-        loss, info = gspo_loss(logps, old_logps, seq_a, mask, clip_low=a.clip_low, clip_high=a.clip_high)
-    else:
-        loss, info = ppo_clip_loss(logps, old_logps, advantages, clip_low=a.clip_low, clip_high=a.clip_high,
-                                   dual_clip=a.dual_clip if a.dual_clip > 0 else None)
-    if tis is not None:
-        loss = loss * tis
-    if ref_logps is not None:
-        kl = kl_estimate(logps, ref_logps, a.kl_estimator)
-        if not a.kl_in_reward:
-            loss = loss + a.kl_coef * kl
-        info["kl"] = kl.detach()
-    if a.entropy_coef > 0:
-        loss = loss + a.entropy_coef * entropy_bonus_loss(entropy)
-    return loss, info
+# --------------------------------------------------------------------------- the loop
 
 
 def train(cfg: Config) -> RunResult:
-    _check(cfg)
     distributed.init()
-    if distributed.world_size() > 1:
-        raise ConfigError("relign rl runs on one process for now (torchrun support is planned)")
+    _check(cfg)
     device = resolve_device(cfg.device)
     seed_everything(cfg.seed)
     run_dir = make_run_dir(cfg.run_dir, "rl")
-    save_resolved_config(cfg, run_dir)
-    a, ro, m = cfg.algorithm, cfg.rollout, cfg.model
-
-    # ---- models: policy (+ engine on the same weights), reference, critic
-    tok = load_tokenizer(m.tokenizer or m.path, trust_remote_code=m.trust_remote_code)
-    policy = load_causal_lm(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                            trust_remote_code=m.trust_remote_code, gradient_checkpointing=m.gradient_checkpointing, device=device)
-    if m.lora.enabled:
-        policy = apply_lora(policy, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout, target_modules=m.lora.target_modules)
-    ref = None
-    if a.kl_coef > 0 and not m.lora.enabled:  # with LoRA the reference is the base model, adapter disabled
-        ref = load_causal_lm(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                             trust_remote_code=m.trust_remote_code, device=device).eval().requires_grad_(False)
-    critic = critic_opt = None
-    if a.advantage == "gae":
-        critic = ValueModel(load_causal_lm(cfg.critic.path or m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                                           trust_remote_code=m.trust_remote_code, device=device))
-        critic_opt = build_optimizer(critic, lr=cfg.critic.lr, weight_decay=cfg.optim.weight_decay, betas=(cfg.optim.beta1, cfg.optim.beta2))
-    engine = HFEngine(policy, tok, max_batch_rows=ro.max_batch_rows, seed=cfg.seed)
-
-    # ---- task: prompts, reward workers, optional multi-turn environment
-    t = cfg.task
-    sampling = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, max_new_tokens=ro.max_new_tokens,
-                              min_new_tokens=ro.min_new_tokens, stop=list(ro.stop), ignore_eos=ro.ignore_eos)
-    scorer = None
-    if cfg.reward.model:  # a learned reward: a second model, scoring completions in batches
-        from ..models.reward import load_scorer
-
-        rw = cfg.reward
-        try:
-            scorer = load_scorer(rw.model, rw.kind, device=device, batch_size=rw.batch_size, max_length=rw.max_length,
-                                 dtype=m.dtype, trust_remote_code=m.trust_remote_code)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"reward.model={rw.model}: {e}") from None
-    runner = RolloutCollector(
-        tok, engine, task=t.name, path=t.path, split=t.split, max_rows=t.max_rows, chat=t.chat, system_prompt=t.system_prompt,
-        max_prompt_length=t.max_prompt_length, format_weight=t.format_weight, reward_fn=t.reward_fn,
-        reward_timeout=t.reward_timeout, reward_workers=t.reward_workers, env=t.env, sampling=sampling,
-        max_turns=ro.max_turns, max_response_tokens=ro.max_response_tokens, seed=cfg.seed,
-        scorer=scorer, scorer_weight=cfg.reward.weight, rule_weight=cfg.reward.rule_weight,
-    )
-    sampler = StepSampler(len(runner), cfg.prompts_per_step, seed=cfg.seed)
-    # held-out accuracy every eval.every steps, on the task's test problems (relign/evaluate.py)
-    evaluator = PeriodicEval(
-        cfg.eval, tok, run_dir, task=t.name, chat=t.chat, system_prompt=t.system_prompt, format_weight=t.format_weight,
-        reward_fn=t.reward_fn, reward_workers=t.reward_workers, reward_timeout=t.reward_timeout,
-        max_prompt_length=t.max_prompt_length, max_new_tokens=ro.max_new_tokens, stop=ro.stop, seed=cfg.seed,
-    ) if cfg.eval.every else None
-    opt_steps = cfg.max_steps * a.ppo_epochs * a.mini_batches
-    o = cfg.optim
-    optimizer = build_optimizer(policy, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps)
-    scheduler = build_scheduler(optimizer, total_steps=opt_steps, warmup_steps=warmup_steps_of(opt_steps, o.warmup_steps, o.warmup_ratio),
-                                schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
-    start = 0
-    ckpt = resolve_resume(cfg.resume, run_dir)
-    if ckpt is not None:
-        load_model_weights(policy, ckpt)
-        tensors, state = load_checkpoint(ckpt)
-        optimizer.load_state_dict(tensors["optimizer"])
-        scheduler.load_state_dict(tensors["scheduler"])
-        engine.load_state_dict(tensors["engine"])
-        sampler.load_state_dict(state["sampler"])
-        if critic is not None:
-            load_model_weights(critic.lm, ckpt / "critic")
-            critic.load_head(ckpt / "critic")
-            critic_opt.load_state_dict(tensors["critic_optimizer"])
-        start = state["step"]
-
-    def save(step: int) -> None:
-        tensors = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "engine": engine.state_dict()}
-        extra = {}
-        if critic is not None:
-            tensors["critic_optimizer"] = critic_opt.state_dict()
-            extra["critic"] = critic
-        save_checkpoint(run_dir, step, model=policy, tokenizer=tok, tensors=tensors, extra_models=extra,
-                        state={"sampler": sampler.state_dict(), "recipe": "rl"}, keep_last=cfg.checkpoint.keep_last)
-
-    lg = cfg.logging
-    tracker = Tracker(run_dir, total_steps=cfg.max_steps, start_step=start, desc="rl", progress=lg.progress,
-                      bar_keys=("reward/mean", "reward/score", "actor/kl", "response/length_mean", "perf/tokens_per_s"),
-                      tensorboard=lg.tensorboard, wandb=lg.wandb, wandb_project=lg.wandb_project, run_name=lg.run_name)
-    if start:
-        tracker.write(f"resumed from {ckpt} at step {start}")
-    (run_dir / "rollouts").mkdir(exist_ok=True)
-    G, T = ro.n, ro.temperature
-    micro = cfg.micro_batch_size
-    # shared-prompt forwards need micro-batches of whole groups
-    share = G if cfg.share_prompt and G > 1 and micro % G == 0 else 0
-    bad_in_a_row = 0
-    status = "completed"
-    metrics: dict[str, float] = {}
+    if distributed.is_main():
+        save_resolved_config(cfg, run_dir)
+        (run_dir / "rollouts").mkdir(exist_ok=True)
+    run, save = _setup(cfg, device, run_dir)
+    a, ro = cfg.algorithm, cfg.rollout
+    reuse = a.ppo_epochs * a.mini_batches > 1 or a.tis_cap > 0 or a.kl == "reward"  # old log-probs needed
+    bad_in_a_row, skipped_steps, status, metrics = 0, 0, "completed", {}
     try:
-        for step in range(start + 1, cfg.max_steps + 1):
-            t_step = time.perf_counter()
-            # ---- 1-2. rollout and rewards (dynamic sampling may take several rounds)
-            groups = runner.collect(sampler, cfg.prompts_per_step, a.dynamic_sampling, a.max_sampling_rounds)
-            t_rollout = time.perf_counter() - t_step
-            episodes = [e for g in groups for e in g.episodes]
-            batch = build_batch(episodes, tok.pad_token_id, device)
-            rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32, device=device)
-            lengths = batch.response_mask.sum(-1)
-            truncated = torch.tensor([e.finish_reason != "stop" for e in episodes], device=device)
-            if a.overlong == "penalty":
-                rewards = rewards + shaping.overlong_penalty(lengths, max_len=ro.max_new_tokens, cache_len=a.overlong_cache, factor=a.overlong_factor)
+        for step in range(run.start + 1, cfg.max_steps + 1):
+            clock = StageClock(("rollout", "reward", "reference", "old_logps", "values", "update", "sync"), device)
+            with clock("rollout"):  # 1. sample and score (the collector times the reward part)
+                groups = run.collector.collect(run.sampler, cfg.prompts_per_step, a.dynamic_sampling, a.max_sampling_rounds)
+            clock.seconds["reward"] = run.collector.last.get("reward_s", 0.0)
+            clock.seconds["rollout"] -= clock.seconds["reward"]
+            if not groups:  # dynamic sampling kept nothing: no update, the schedule moves on
+                skipped_steps += 1
+                _skip_step(run, cfg, step, skipped_steps, clock)
+                continue
+            run.engine.sleep()
+            batch = build_batch([e for g in groups for e in g.episodes], run.tok.pad_token_id, device, ro.n)
             if a.overlong == "mask":
+                truncated = torch.tensor([e.finish_reason != "stop" for g in groups for e in g.episodes], device=device)
                 batch.response_mask = shaping.truncation_loss_mask(truncated, batch.response_mask)
-            # outcome reward on the last model token (multi-turn turn rewards are already there)
-            if runner.env is None:
-                batch.token_rewards.zero_()
-                batch.token_rewards[torch.arange(batch.size), batch.last_token] = rewards
-            mask = batch.response_mask
-            t_train = time.perf_counter()
-
-            # ---- 3. reference log-probs (only with a KL term)
-            stats: dict[str, list[float]] = {}
-            ref_logps = None
-            if a.kl_coef > 0:
-                if ref is not None:
-                    ref_logps = _score_all(lambda mb: _forward(ref, mb, T, group_size=share)[0], batch, micro)
-                else:
-                    with policy.disable_adapter():
-                        ref_logps = _score_all(lambda mb: _forward(policy, mb, T, group_size=share)[0], batch, micro)
-            # ---- 4. values (only with a critic)
-            values = _score_all(lambda mb: critic(mb["input_ids"], mb["attention_mask"]), batch, micro) if critic is not None else None
-            # ---- 5. old log-probs: only needed when the batch serves more than one update
-            reuse = a.ppo_epochs * a.mini_batches > 1 or a.tis_cap > 0 or (a.kl_in_reward and a.kl_coef > 0)
-            old_logps = _score_all(lambda mb: _forward(policy, mb, T, group_size=share)[0], batch, micro) if reuse else None
-            adv_rewards = rewards  # what the sequence-level estimators (grpo, rloo) see
-            if a.kl_in_reward and a.kl_coef > 0:
-                kl_tok = kl_estimate(old_logps, ref_logps, a.kl_estimator)
-                batch.token_rewards = kl_penalty_rewards(batch.token_rewards, kl_tok, a.kl_coef, mask)
-                # sequence-level form (RLOO, InstructGPT): R_i - beta * sum_t KL_t
-                kl_seq = (kl_tok * mask).sum(-1)
-                adv_rewards = rewards - a.kl_coef * kl_seq
-                stats["reward/kl_penalty"] = [float(a.kl_coef * kl_seq.mean())]
-            if old_logps is not None:  # engine vs trainer on the same tokens and weights
-                _acc(stats, "actor/logp_mismatch", (batch.sampling_logps - old_logps).abs(), mask)
-            # ---- 6. advantages
-            comps = None
+            micro = plan(batch, torch.arange(batch.size, device=device), run.layout)
+            with clock("reference"):  # 2.
+                ref_logps = _reference_logps(run, batch, micro, ro.temperature) if a.kl != "none" else None
+            with clock("old_logps"):  # 3.
+                old_logps = score_logps(run.policy, batch, micro, run.layout, temperature=ro.temperature) if reuse else None
+            with clock("values"):  # 4.
+                values = score_values(run.critic, batch, micro, run.layout) if run.critic is not None else None
+            kl_tok = kl_estimate(old_logps, ref_logps, a.kl_estimator) if a.kl == "reward" else None
             if a.advantage == "gdpo":
-                names = sorted(episodes[0].components) if episodes[0].components else []
-                comps = torch.tensor([[e.components.get(k, 0.0) for k in names] for e in episodes], device=device) if names else None
-            advantages, returns = compute_advantages(a, batch, adv_rewards, comps, values, G)
-            tis = truncated_is_weights(old_logps, batch.sampling_logps, cap=a.tis_cap) if a.tis_cap > 0 else None
-
-            # ---- 7. updates: ppo_epochs x mini_batches optimizer steps
-            n_rows = batch.size
-            mb_rows = math.ceil(n_rows // G / a.mini_batches) * G  # whole groups per mini-batch
-            for _epoch in range(a.ppo_epochs):
-                perm = torch.arange(n_rows, device=device)
-                if a.mini_batches > 1:  # shuffle whole groups, so micro-batches keep their shared prompts
-                    n_groups = n_rows // G
-                    perm = (torch.randperm(n_groups, device=device).unsqueeze(-1) * G + torch.arange(G, device=device)).flatten()
-                for mb_start in range(0, n_rows, mb_rows):
-                    idx = perm[mb_start : mb_start + mb_rows]
-                    normalizer = aggregate_count(mask[idx], a.loss_agg, max_len=ro.max_new_tokens)
-                    finite = True  # NaN guard: every micro-batch loss of this update must be finite
-                    for s in micro_slices(len(idx), micro):
-                        rows = idx[s]
-                        mb = batch.rows(rows)
-                        logps, ent = _forward(policy, mb, T, group_size=share, with_entropy=True, entropy_grad=a.entropy_coef > 0)
-                        old = old_logps[rows] if old_logps is not None else logps.detach()
-                        loss_tok, info = actor_token_loss(
-                            a, logps, ent, old, advantages[rows], mb["response_mask"],
-                            ref_logps=ref_logps[rows] if ref_logps is not None else None, tis=tis[rows] if tis is not None else None,
-                        )
-                        if "kl" in info:
-                            _acc(stats, "actor/kl", info["kl"], mb["response_mask"])
-                        loss = aggregate(loss_tok, mb["response_mask"], a.loss_agg, normalizer, max_len=ro.max_new_tokens)
-                        loss.backward()
-                        stats.setdefault("actor/loss", []).append(loss.item())
-                        finite = finite and math.isfinite(stats["actor/loss"][-1])
-                        _acc(stats, "actor/entropy", ent.detach(), mb["response_mask"])
-                        _acc(stats, "actor/clip_frac", info["clipped"], mb["response_mask"])
-                        if old_logps is None:  # one update: these are still the sampling policy's log-probs
-                            _acc(stats, "actor/logp_mismatch", (batch.sampling_logps[rows] - logps.detach()).abs(), mb["response_mask"])
-                        if critic is not None:
-                            v = critic(mb["input_ids"], mb["attention_mask"])
-                            vl = value_loss(v, values[rows], returns[rows], clip=cfg.critic.value_clip or None)
-                            aggregate(vl, mb["response_mask"], "token-mean", aggregate_count(mask[idx], "token-mean")).backward()
-                            _acc(stats, "critic/value_loss", vl.detach(), mb["response_mask"])
-                    gn = clip_gradients(trainable_parameters(policy), o.max_grad_norm)
-                    ok = finite and math.isfinite(gn)
-                    if critic is not None:
-                        cgn = clip_gradients(critic.parameters(), o.max_grad_norm)
-                        ok = ok and math.isfinite(cgn)
-                        stats.setdefault("critic/grad_norm", []).append(cgn)
-                    if ok:
-                        optimizer.step()
-                        if critic_opt is not None:
-                            critic_opt.step()
-                        bad_in_a_row = 0
-                    else:  # NaN guard: skip the update, keep the last good weights
-                        bad_in_a_row += 1
-                        stats.setdefault("train/skipped_updates", []).append(1.0)
-                        tracker.write(f"step {step}: non-finite loss or gradient, update skipped ({bad_in_a_row} in a row)")
-                    stats.setdefault("actor/grad_norm", []).append(gn)
-                    stats.setdefault("actor/lr", []).append(scheduler.get_last_lr()[0])
-                    scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    if critic_opt is not None:
-                        critic_opt.zero_grad(set_to_none=True)
-            t_train = time.perf_counter() - t_train
-            # ---- 8. weight sync: the HF engine shares the policy's parameters, nothing to copy
-            t_sync = time.perf_counter()
-            engine.load_weights([])
-            t_sync = time.perf_counter() - t_sync
-
-            seconds = time.perf_counter() - t_step
-            n_tokens = float(batch.attention_mask.sum())
-            metrics = {
-                "reward/mean": rewards.mean().item(),
-                "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
-                "reward/score": float(np.mean([e.score for e in episodes])),
-                "response/length_mean": lengths.mean().item(),
-                "response/length_max": lengths.max().item(),
-                "response/truncated_frac": truncated.float().mean().item(),
-                "time/rollout_s": t_rollout, "time/train_s": t_train, "time/sync_s": t_sync,
-                "perf/tokens_per_s": n_tokens / max(seconds, 1e-9),
-                "perf/response_tokens_per_s_rollout": float(lengths.sum()) / max(t_rollout, 1e-9),
-                **runner.step_metrics(groups),
-                **{k: float(np.mean(v)) if not k.endswith("skipped_updates") else float(np.sum(v)) for k, v in stats.items()},
-            }
-            if "actor/kl" not in metrics:
-                metrics["actor/kl"] = 0.0
-            if evaluator is not None and evaluator.due(step, cfg.max_steps):  # held-out accuracy of the updated policy
-                metrics.update(evaluator(policy, engine, step, write=tracker.write))
-            tracker.log(step, metrics)
-            if cfg.traces_per_step:
-                _write_traces(run_dir / "rollouts" / f"step_{step}.jsonl", tok, groups, batch, advantages, cfg.traces_per_step)
+                check_terms(groups, _term_weight(run, a))
+            rewards = shaped_rewards(groups, batch, term_weight=_term_weight(run, a), overlong=a.overlong,
+                                     max_len=run.collector.max_response_tokens, overlong_cache=a.overlong_cache,
+                                     overlong_factor=a.overlong_factor, kl_tok=kl_tok, kl_coef=a.kl_coef)
+            advantages, returns = run.estimator.fn(rewards, batch.response_mask, values, run.options)  # 5.
+            with clock("update"):  # 6.
+                stats, skipped = _update(run, cfg, step, batch, advantages, returns, old_logps, ref_logps, values)
+            bad_in_a_row = bad_in_a_row + skipped if skipped else 0
+            run.engine.wake()
+            with clock("sync"):  # 7. the HF engine in one process holds the policy's own tensors: nothing is copied
+                run.engine.load_weights(_named_weights(run.policy))
+            metrics = _step_metrics(run, groups, batch, rewards, stats, old_logps, clock)
+            if run.evaluator is not None and run.evaluator.due(step, cfg.max_steps):  # held-out accuracy, updated policy
+                metrics.update(run.evaluator(run.policy, run.engine, step, write=run.tracker.write))
+            run.tracker.log(step, metrics)
+            if cfg.traces_per_step and distributed.is_main():
+                write_traces(run_dir / "rollouts" / f"step_{step}.jsonl", run.tok, groups, batch, advantages, cfg.traces_per_step)
             if bad_in_a_row >= cfg.nan_patience:
                 status = "stopped: non-finite updates"
-                tracker.write(f"{bad_in_a_row} non-finite updates in a row: saving the last good weights and stopping")
+                run.tracker.write(f"{bad_in_a_row} non-finite updates in a row: saving the last good weights and stopping")
                 save(step)
                 break
             if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
                 save(step)
         else:
-            if cfg.checkpoint.save_final and cfg.max_steps > start:
-                save(cfg.max_steps)
+            save_final(run_dir, save, total_steps=cfg.max_steps, start_step=run.start, save_final=cfg.checkpoint.save_final)
     finally:
-        runner.close()
-        if evaluator is not None:
-            evaluator.close()
-        tracker.close()
-    return RunResult(run_dir=run_dir, steps=cfg.max_steps, metrics={**metrics, "status": status}, history=read_metrics(run_dir))
+        run.collector.close()
+        if run.evaluator is not None:
+            run.evaluator.close()
+        run.tracker.close()
+    history = read_metrics(run_dir) if distributed.is_main() else []
+    distributed.barrier()
+    return RunResult(run_dir=run_dir, steps=cfg.max_steps, metrics={**metrics, "status": status}, history=history)
 
 
-def _acc(stats: dict[str, list[float]], key: str, values: torch.Tensor, mask: torch.Tensor) -> None:
-    n = float(mask.sum())
-    if n > 0:
-        stats.setdefault(key, []).append(float((values * mask).sum()) / n)
+# --------------------------------------------------------------------------- the stages
 
 
-def _write_traces(path, tok, groups, batch: RolloutBatch, advantages: torch.Tensor, limit: int) -> None:
-    rows = []
-    i = 0
-    for g in groups:
-        for e in g.episodes:
-            if len(rows) >= limit:
-                break
-            cols = batch.response_mask[i].nonzero().flatten().tolist()
-            start = len(e.prompt_ids)
-            rows.append({
-                "prompt": g.prompt_text, "problem": g.problem, "response": e.text, "reward": e.reward, "score": e.score,
-                "components": e.components, "advantage": float(advantages[i, cols].mean()) if cols else 0.0,
-                "finish_reason": e.finish_reason, "length": len(e.response_ids), "extra_info": _jsonable(g.extra_info),
-                "tokens": tok.batch_decode([[t] for t in e.response_ids]),  # one call, not one per token
-                "token_mask": e.response_mask,
-                "logps": [round(x, 4) for x in e.sampling_logps],
-                "token_advantages": [round(float(advantages[i, start + j]), 4) for j in range(len(e.response_ids))],
-            })
-            i += 1
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+def _reference_logps(run: _Run, batch, micro, temperature: float) -> torch.Tensor:
+    if run.ref is not None:
+        return score_logps(run.ref, batch, micro, run.layout, temperature=temperature)
+    with run.policy.disable_adapter():  # LoRA: the reference is the base model, no second copy
+        return score_logps(run.policy, batch, micro, run.layout, temperature=temperature)
 
 
-def _jsonable(x):
-    try:
-        json.dumps(x)
-        return x
-    except TypeError:
-        return str(x)
+def _term_weight(run: _Run, a: AlgorithmConfig) -> Callable[[str], float]:
+    return lambda k: a.gdpo_weights.get(k, run.collector.term_weight(k))
+
+
+def _mini_batches(n_groups: int, G: int, mini_batches: int, generator: torch.Generator, device) -> list[torch.Tensor]:
+    """Rows of exactly ``mini_batches`` mini-batches of whole groups (shuffled when more than
+    one): the number of updates per step is fixed, so the schedule's count is exact."""
+    order = torch.randperm(n_groups, generator=generator) if mini_batches > 1 else torch.arange(n_groups)
+    rows = (order.unsqueeze(-1) * G + torch.arange(G)).to(device)  # [n_groups, G]
+    return [part.flatten() for part in torch.tensor_split(rows, mini_batches)]
+
+
+def _update(run: _Run, cfg: Config, step: int, batch, advantages, returns, old_logps, ref_logps, values) -> tuple[Stats, int]:
+    """ppo_epochs x mini_batches updates of the policy (and of the critic on the same mini-batches)."""
+    a = cfg.algorithm
+    tis = truncated_is_weights(old_logps, batch.sampling_logps, cap=a.tis_cap) if a.tis_cap > 0 else None
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # the same shuffles on every rank and on resume
+    epochs = [_mini_batches(batch.size // cfg.rollout.n, cfg.rollout.n, a.mini_batches, gen, batch.input_ids.device)
+              for _ in range(a.ppo_epochs)]
+    mini = [rows for epoch in epochs for rows in epoch]
+    params = trainable_parameters(run.policy)
+    stats, skipped = update_policy(run.policy, run.optimizer, run.scheduler, params, batch, mini, run.layout, run.loss_fn,
+                                   advantages=advantages, old_logps=old_logps, ref_logps=ref_logps, tis=tis,
+                                   temperature=cfg.rollout.temperature, max_grad_norm=cfg.optim.max_grad_norm)
+    if run.critic is not None:
+        cstats = update_critic(run.critic, run.critic_opt, list(run.critic.parameters()), batch, mini, run.layout,
+                               old_values=values, returns=returns, value_clip=cfg.critic.value_clip,
+                               max_grad_norm=cfg.optim.max_grad_norm)
+        stats.values.update(cstats.values)
+    if skipped:
+        run.tracker.write(f"step {step}: {skipped} non-finite update(s) skipped, the weights stay the last good ones")
+    return stats, skipped
+
+
+def _named_weights(model):
+    """(name, full tensor) of the trainable parameters, gathered from FSDP shards one at a time."""
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            yield name, distributed.full_tensor(p.detach())
+
+
+def _skip_step(run: _Run, cfg: Config, step: int, skipped_steps: int, clock: StageClock) -> None:
+    for _ in range(cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches):
+        run.scheduler.step()
+    run.tracker.write(f"step {step}: dynamic sampling kept no group with reward variance in "
+                      f"{cfg.algorithm.max_sampling_rounds} generation batches; step skipped ({skipped_steps} so far)")
+    run.tracker.log(step, {"rollout/skipped_steps": float(skipped_steps), **run.collector.step_metrics([]), **clock.metrics()})
+
+
+def _step_metrics(run: _Run, groups, batch: RolloutBatch, rewards: Rewards, stats: Stats, old_logps, clock: StageClock
+                  ) -> dict[str, float]:
+    eps = [e for g in groups for e in g.episodes]
+    lengths = batch.response_mask.sum(-1)
+    out = {
+        "reward/mean": float(rewards.outcome.mean()),
+        "reward/std": float(rewards.outcome.std()) if len(eps) > 1 else 0.0,
+        "reward/score": float(np.mean([e.score for e in eps])),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/truncated_frac": float(np.mean([e.finish_reason != "stop" for e in eps])),
+        **run.collector.step_metrics(groups),
+        **stats.reduce(),
+        **clock.metrics(),
+    }
+    if rewards.penalties is not None:
+        out["reward/kl_penalty"] = float(-rewards.penalties.sum(-1).mean())
+    if old_logps is not None:  # engine vs trainer on the same tokens and weights
+        m = batch.response_mask
+        out["actor/logp_mismatch"] = float(((batch.sampling_logps - old_logps).abs() * m).sum() / m.sum().clamp_min(1))
+    out["perf/tokens_per_s"] = float(batch.seq_lens.sum()) / max(out["time/step_s"], 1e-9)
+    return out

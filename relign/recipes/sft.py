@@ -181,6 +181,7 @@ def evaluate_loss(model, examples: list[SFTExample], *, batch_size: int, pad_id:
         nll += -(logps * mb["loss_mask"]).sum()
         count += mb["loss_mask"].sum()
     model.train(was_training)
+    distributed.reshard(model)  # a forward with no backward (see distributed.reshard)
     nll, count = distributed.all_reduce_sum(nll), distributed.all_reduce_sum(count)
     return (nll / count.clamp_min(1)).item()
 

@@ -1,8 +1,13 @@
-"""Episodes -> padded training tensors, and micro-batch slicing.
+"""A step's episodes as padded training tensors.
 
 Layout per row: prompt tokens, then response tokens (model and environment), right-padded.
-Every per-token tensor is aligned with ``models.logprobs.token_logps``: column t describes
-token t (its log-prob, its reward, whether it is trained).
+Rows come in groups: rows [g*G, (g+1)*G) are the G episodes of prompt g. Every per-token
+tensor is aligned with ``models.logprobs.token_logps``: column t describes token t (its
+log-prob, its reward, whether it is trained).
+
+Every rank builds the whole step's batch (the groups are gathered after the rollout): the
+token ids are small, and it lets the batch statistics of the advantage estimators and the
+loss normalizers be computed on every rank without further communication.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ from .multiturn import Episode
 class RolloutBatch:
     input_ids: torch.Tensor  # [N, L] long
     attention_mask: torch.Tensor  # [N, L] long
-    response_mask: torch.Tensor  # [N, L] float: 1 on model-sampled response tokens
+    response_mask: torch.Tensor  # [N, L] float: 1 on model-sampled response tokens that train
     sampling_logps: torch.Tensor  # [N, L] float: engine log-probs on response tokens, 0 elsewhere
-    token_rewards: torch.Tensor  # [N, L] float: per-token rewards (turn rewards on turn ends)
+    token_rewards: torch.Tensor  # [N, L] float: turn rewards on each turn's last model token (multi-turn)
     last_token: torch.Tensor  # [N] long: column of each row's last model token
     prompt_lens: torch.Tensor  # [N] long: prompt tokens at the start of each row
+    seq_lens: torch.Tensor  # [N] long: prompt + response tokens (the row without its padding)
+    group_size: int = 1
 
     @property
     def size(self) -> int:
@@ -37,7 +44,9 @@ class RolloutBatch:
         }
 
 
-def build_batch(episodes: list[Episode], pad_id: int, device: torch.device | str = "cpu") -> RolloutBatch:
+def build_batch(episodes: list[Episode], pad_id: int, device: torch.device | str = "cpu", group_size: int = 1) -> RolloutBatch:
+    if not episodes:
+        raise ValueError("build_batch needs at least one episode (skip a step whose rollout kept none)")
     N = len(episodes)
     L = max(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
     ids = torch.full((N, L), pad_id, dtype=torch.long)
@@ -60,8 +69,5 @@ def build_batch(episodes: list[Episode], pad_id: int, device: torch.device | str
         input_ids=ids.to(device), attention_mask=attn.to(device), response_mask=rmask.to(device),
         sampling_logps=slog.to(device), token_rewards=rew.to(device), last_token=last.to(device),
         prompt_lens=torch.tensor([len(e.prompt_ids) for e in episodes], dtype=torch.long, device=device),
+        seq_lens=attn.sum(-1).to(device), group_size=group_size,
     )
-
-
-def micro_slices(n: int, size: int) -> list[slice]:
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]

@@ -3,22 +3,30 @@
 Single-turn: ``engine.generate`` samples G completions per prompt; the task's reward function
 scores them in a ``RewardPool`` (worker processes, so a reward that raises or hangs gives 0
 and is counted, and the run goes on). Multi-turn: the environment's ``step`` gives the
-rewards (``multiturn.run_episodes``). With DAPO's dynamic sampling, groups whose rewards are
-all equal carry no signal; they are dropped and more prompts are sampled to refill the batch.
+rewards (``multiturn.run_episodes``).
+
+Under torchrun every rank draws the same prompts from the sampler, samples its own share
+with its own engine and scores it; the groups are then gathered so that every rank holds the
+whole step in draw order. Each prompt's completions are seeded by its draw index (not by the
+rank or the batch it lands in), so 1 rank and N ranks sample the same tokens.
+
+With DAPO's dynamic sampling, groups whose rewards are all equal carry no signal: they are
+dropped and more prompts are drawn, up to ``max_rounds`` generation batches per step.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from .. import distributed
 from ..algorithms.shaping import zero_variance_groups
-from ..config import ConfigError
 from ..data.collate import StepSampler
-from .engine import SamplingParams
+from .engine import SamplingParams, derive_seed
 from .multiturn import Episode, episode_from_completion, run_episodes
 
 
@@ -30,6 +38,8 @@ class Group:
     episodes: list[Episode]
     problem: str = ""
     """The problem as the user wrote it (the last user message, or the raw prompt), without any chat markup."""
+    draw: int = 0
+    """The sampler's draw index of this prompt (its completions are seeded from it)."""
 
 
 def problem_text(rec: dict) -> str:
@@ -40,94 +50,61 @@ def problem_text(rec: dict) -> str:
     return rec.get("prompt", "")
 
 
-def _load_records(task, path: str, split: str, max_rows: int, seed: int) -> list[dict]:
-    if task is None:  # the calculator tool task generates its problems
-        from ..envs.calculator import make_calculator_records
-
-        return make_calculator_records(max_rows or 1024, seed=seed)
-    return task.load(path or None, split or None, max_rows=max_rows)
-
-
 class RolloutCollector:
-    """Prompts of one task, the engine that samples them, and the rewards that score them."""
+    """Prompts of one task, the engine that samples them, and the rewards that score them.
+
+    ``records`` are task records (``Task.load``); ``pool`` scores single-turn completions
+    (``None`` with an ``env``, whose ``step`` gives the rewards). ``term_weights``: the reward
+    as a weighted sum of named terms (``Task.term_weights``), which GDPO normalizes one by one.
+    """
 
     def __init__(
         self,
         tokenizer,
         engine,
+        records: list[dict],
         *,
-        task: str,
-        path: str = "",
-        split: str = "",
-        max_rows: int = 0,
-        chat: bool = True,
-        system_prompt: str = "",
-        max_prompt_length: int = 512,
-        format_weight: float = 0.0,
-        reward_fn: str = "",
-        reward_timeout: float = 10.0,
-        reward_workers: int = 2,
-        env: str = "",
         sampling: SamplingParams,
+        pool=None,
+        env=None,
+        term_weights: dict[str, float] | None = None,
         max_turns: int = 1,
         max_response_tokens: int = 0,
+        max_prompt_length: int = 512,
         seed: int = 0,
         scorer=None,
         scorer_weight: float = 1.0,
         rule_weight: float = 1.0,
     ):
-        from ..envs.base import get_task, load_function
-        from ..envs.rewards import RewardPool
-
-        self.tok, self.engine, self.sampling = tokenizer, engine, sampling
+        self.tok, self.engine, self.sampling, self.pool, self.env = tokenizer, engine, sampling, pool, env
         # learned reward (reward model / verifier): reward = rule_weight * rule + scorer_weight * model
         self.scorer, self.scorer_weight, self.rule_weight = scorer, scorer_weight, rule_weight
+        # reward = sum_k w_k * terms[k]; names the task does not weigh count with the rule's weight
+        self.task_terms = list(term_weights or {})
+        self.default_weight = rule_weight if scorer is not None else 1.0
+        self.term_weights = {k: self.default_weight * w for k, w in (term_weights or {}).items()}
+        if scorer is not None:
+            self.term_weights["model"] = scorer_weight
         self.max_turns = max_turns
+        # the episode's token budget after the prompt (model + environment tokens); one turn: max_new_tokens
         self.max_response_tokens = max_response_tokens or sampling.max_new_tokens * max_turns
-        self.env = None
-        if task == "calculator" and not env:
-            env = "relign.envs.calculator:CalculatorEnv"
-        if env:
-            self.env = load_function(env)()
-        opts: dict[str, Any] = {"chat": chat, "system_prompt": system_prompt or None}
-        if reward_fn and ":" not in reward_fn:
-            reward_fn += ":reward"  # 'my_reward.py' means its function named reward
-        try:
-            if task == "calculator":
-                task_obj = None
-            elif task == "custom":
-                if not (path and reward_fn):
-                    raise ConfigError("task.name=custom needs task.path (prompts) and task.reward_fn ('file.py:function')")
-                task_obj = get_task("custom", data_path=path, reward_fn_spec=reward_fn, **opts)
-            else:
-                task_obj = get_task(task, format_weight=format_weight, **opts)
-                if reward_fn:
-                    load_function(reward_fn)  # fail now, not in a worker
-        except (ValueError, TypeError, FileNotFoundError) as e:
-            raise ConfigError(f"task: {e}") from None
-        records = _load_records(task_obj, path, split, max_rows, seed)
+        self.seed = seed
         # Render and tokenize every prompt once; prompts too long to leave room are skipped.
         self.records: list[tuple[str, list[int], dict]] = []
         self.problems: list[str] = []
         self.skipped_long = 0
         for rec in records:
             text = self._render(rec)
-            ids = tokenizer(text, add_special_tokens=not ("messages" in rec or chat))["input_ids"]
+            ids = tokenizer(text, add_special_tokens="messages" not in rec)["input_ids"]
             if len(ids) > max_prompt_length:
                 self.skipped_long += 1
                 continue
             self.records.append((text, ids, rec.get("extra_info", {})))
             self.problems.append(problem_text(rec))
-        if not self.records:
-            raise ConfigError(f"task '{task}': no prompt fits task.max_prompt_length={max_prompt_length}")
-        self.pool = None
-        if self.env is None:
-            spec = reward_fn or task_obj.reward_spec
-            kwargs = {} if reward_fn else task_obj.reward_kwargs
-            self.pool = RewardPool(spec, kwargs=kwargs, num_workers=reward_workers, timeout=reward_timeout)
-        self._rounds: list[int] = []
         self._filtered = 0
         self._last_stats = dict(self.pool.stats) if self.pool else {}
+        self.last: dict[str, float] = {}
+        """Statistics of the last ``collect``: rounds, dropped groups, seconds generating / scoring."""
 
     def __len__(self) -> int:
         return len(self.records)
@@ -138,25 +115,51 @@ class RolloutCollector:
         return rec["prompt"]
 
     # ------------------------------------------------------------------ rollout
-    def rollout(self, indices: list[int]) -> list[Group]:
+    def rollout(self, indices: list[int], draws: list[int]) -> list[Group]:
+        """Sample and score the groups of these prompts (on this process)."""
         texts = [self.records[i][0] for i in indices]
         ids = [self.records[i][1] for i in indices]
         infos = [self.records[i][2] for i in indices]
         problems = [self.problems[i] for i in indices]
+        seeds = [derive_seed(self.seed, d) for d in draws]
+        t0 = time.perf_counter()
         if self.env is not None:
-            eps = run_episodes(self.engine, self.tok, self.env, ids, infos, self.sampling,
-                               max_turns=self.max_turns, max_response_tokens=self.max_response_tokens)
-            return [Group(t, p, info, g, q) for t, p, info, g, q in zip(texts, ids, infos, eps, problems)]
-        outs = self.engine.generate(ids, self.sampling)
-        groups = [Group(t, p, info, [episode_from_completion(p, c) for c in cs], q)
-                  for t, p, info, cs, q in zip(texts, ids, infos, outs, problems)]
+            eps = run_episodes(self.engine, self.tok, self.env, ids, infos, self.sampling, max_turns=self.max_turns,
+                               max_response_tokens=self.max_response_tokens, seeds=seeds, prompt_texts=texts)
+            groups = [Group(t, g[0].prompt_ids if g else p, info, g, q, d)
+                      for t, p, info, g, q, d in zip(texts, ids, infos, eps, problems, draws)]
+            for g in groups:
+                for e in g.episodes:
+                    e.terms = {"reward": e.reward}
+            self.last["generate_s"] = self.last.get("generate_s", 0.0) + time.perf_counter() - t0
+            return groups
+        outs = self.engine.generate(ids, self.sampling, seeds=seeds)
+        groups = [Group(t, p, info, [episode_from_completion(p, c) for c in cs], q, d)
+                  for t, p, info, cs, q, d in zip(texts, ids, infos, outs, problems, draws)]
+        t1 = time.perf_counter()
         flat = [(g, e) for g in groups for e in g.episodes]
         results = self.pool.score([g.prompt_text for g, _ in flat], [e.text for _, e in flat], [g.extra_info for g, _ in flat])
         for (_, e), r in zip(flat, results):
             e.reward, e.score, e.components, e.reward_error = r.reward, r.score, dict(r.components), r.error
+            e.terms = self._terms(e)
         if self.scorer is not None:
             self._add_learned_reward(flat)
+        for _, e in flat:  # the outcome sits on the last token (multi-turn: each turn's reward on its turn's)
+            if e.token_rewards:
+                e.token_rewards[-1] = e.reward
+        self.last["generate_s"] = self.last.get("generate_s", 0.0) + t1 - t0
+        self.last["reward_s"] = self.last.get("reward_s", 0.0) + time.perf_counter() - t1
         return groups
+
+    def _terms(self, e: Episode) -> dict[str, float]:
+        """The reward's named terms: the task's components (weighted by ``term_weights``), or
+        the components of a custom reward (weight 1 each), or the reward itself as one term."""
+        if self.task_terms:
+            return {k: e.components.get(k, 0.0) for k in self.task_terms}
+        return dict(e.components) if e.components else {"reward": e.reward}
+
+    def term_weight(self, name: str) -> float:
+        return self.term_weights.get(name, self.default_weight)
 
     def _add_learned_reward(self, flat: list[tuple[Group, Episode]]) -> None:
         """Score every completion with the learned reward in batches and mix it with the rule
@@ -166,25 +169,35 @@ class RolloutCollector:
             rule = e.reward
             e.reward = self.rule_weight * rule + self.scorer_weight * float(s)
             e.components = {**e.components, "rule": rule, "model": float(s)}
+            e.terms = {**e.terms, "model": float(s)}
 
     def collect(self, sampler: StepSampler, n_groups: int, dynamic: bool, max_rounds: int) -> list[Group]:
-        """``n_groups`` groups for one step. With ``dynamic``, zero-variance groups are dropped
-        and more prompts sampled, for at most ``max_rounds`` rounds (then whatever was kept;
-        if nothing was, the last round as it is, whose advantages are simply 0)."""
+        """The step's ``n_groups`` groups, the same list on every rank, in draw order.
+
+        With ``dynamic``, zero-variance groups are dropped and more prompts drawn, for at
+        most ``max_rounds`` generation batches; then whatever was kept (possibly fewer groups,
+        or none: the caller skips the step).
+        """
+        rank, world = distributed.rank(), distributed.world_size()
+        self.last = {}
         kept: list[Group] = []
         rounds = 0
-        groups: list[Group] = []
         while len(kept) < n_groups and rounds < (max_rounds if dynamic else 1):
-            groups = self.rollout(sampler.next())
+            indices = sampler.next()  # the same on every rank
+            first = sampler.drawn - len(indices)
+            mine = list(range(rank, len(indices), world))  # strided share of this rank
+            local = self.rollout([indices[j] for j in mine], [first + j for j in mine])
+            groups = [g for part in distributed.all_gather_object(local) for g in part]
+            groups.sort(key=lambda g: g.draw)
             rounds += 1
             if dynamic:
                 r = torch.tensor([e.reward for g in groups for e in g.episodes])
-                flat = zero_variance_groups(r, len(groups[0].episodes)).tolist()
-                self._filtered += sum(flat)
-                groups = [g for g, drop in zip(groups, flat) if not drop]
+                drop = zero_variance_groups(r, len(groups[0].episodes)).tolist()
+                self._filtered += sum(drop)
+                groups = [g for g, d in zip(groups, drop) if not d]
             kept.extend(groups)
-        self._rounds.append(rounds)
-        return kept[:n_groups] if kept else groups
+        self.last["rounds"] = float(rounds)
+        return kept[:n_groups]
 
     def step_metrics(self, groups: list[Group]) -> dict[str, float]:
         """Per-step reward components, reward failures, multi-turn and sampling statistics."""
@@ -192,15 +205,12 @@ class RolloutCollector:
         out: dict[str, float] = {}
         for k in sorted({k for e in eps for k in e.components}):
             out[f"reward/{k}"] = float(np.mean([e.components.get(k, 0.0) for e in eps]))
-        if self.pool is not None:
-            now = dict(self.pool.stats)
-            out["reward/errors"] = float(now.get("exceptions", 0) - self._last_stats.get("exceptions", 0))
-            out["reward/timeouts"] = float(now.get("timeouts", 0) - self._last_stats.get("timeouts", 0))
-            self._last_stats = now
+        out["reward/errors"] = float(sum(e.reward_error == "exception" for e in eps))
+        out["reward/timeouts"] = float(sum(e.reward_error == "timeout" for e in eps))
         if self.env is not None:
-            out["env/turns_mean"] = float(np.mean([e.turns for e in eps]))
+            out["env/turns_mean"] = float(np.mean([e.turns for e in eps])) if eps else 0.0
             out["env/errors"] = float(sum(e.env_errors for e in eps))
-        out["rollout/rounds"] = float(self._rounds[-1]) if self._rounds else 1.0
+        out["rollout/rounds"] = self.last.get("rounds", 1.0)
         if self._filtered:
             out["rollout/filtered_groups"] = float(self._filtered)
             self._filtered = 0

@@ -34,7 +34,8 @@ class SamplingParams:
     ignore_eos: bool = False
     """Keep generating through EOS (benchmarks use this to fix the number of tokens)."""
     seed: int | None = None
-    """Seed for this call; None continues the engine's own random stream."""
+    """Seed for this call; None continues the engine's own random stream (``seeds=`` of
+    ``Engine.generate`` gives each prompt its own stream instead)."""
 
 
 @dataclass
@@ -52,19 +53,56 @@ class Completion:
     """The stop string or token id that ended the completion, if any."""
 
 
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (a base seed, a prompt's draw index, a sample, a turn ...).
+
+    splitmix64 over the parts, so nearby inputs give unrelated streams and the result does not
+    depend on Python's hash randomisation. Seeds derived from what identifies a sample (not
+    from the rank or the batch it happens to be in) make rollouts independent of how the
+    prompts are spread over ranks and engine calls.
+    """
+    mask = (1 << 64) - 1
+    z = 0x9E3779B97F4A7C15
+    for p in parts:
+        z = (z + (int(p) & mask) + 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z ^= z >> 31
+    return z >> 1
+
+
 @runtime_checkable
 class Engine(Protocol):
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """``params.n`` completions for each prompt (given as token ids), in prompt order."""
+    """What the recipes need from an inference engine (the built-in HF engine, vLLM, ...)."""
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, seeds: list[int] | None = None
+    ) -> list[list[Completion]]:
+        """``params.n`` completions for each prompt (given as token ids), in prompt order.
+
+        ``seeds``: one seed per prompt. Prompt i's completions then depend only on its ids,
+        ``params`` and ``seeds[i]``, not on which other prompts share the call: the RL recipe
+        seeds each prompt by its draw index, so 1 rank and N ranks sample the same tokens.
+        """
         ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Receive updated policy weights (a no-op for an engine that shares the policy's)."""
+        """Receive the policy's updated weights, ``(name, full tensor)`` with the trainer's
+        parameter names. An engine that holds the trainer's own parameter tensors may skip the
+        copy (it must say so); every other engine copies."""
         ...
 
     def sleep(self) -> None:
-        """Free memory between rollouts (no-op where not needed)."""
+        """Free memory for the update (the KV cache, or the weights of a colocated engine)."""
         ...
 
     def wake(self) -> None:
+        """Take back what ``sleep`` released, before the next ``load_weights`` / ``generate``."""
+        ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The engine's own state a checkpoint must keep (its unseeded random stream)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         ...

@@ -8,10 +8,15 @@ batch when they finish; and ``generate``'s per-step overhead dominates small-mod
   of ``n`` samples costs one prefill.
 * Finished rows are dropped from the batch (and the KV cache) once enough of them finish, so
   long tails do not keep paying for short completions.
-* Sampling uses a ``torch.Generator``: the same seed gives the same completions, and the
-  engine's stream can be saved and restored with the run's checkpoints.
-* The engine holds the policy module itself, so in one process training updates are visible
-  to the next rollout with nothing copied (``load_weights`` is then a no-op).
+* Sampling is inverse-CDF with one uniform per row and token. With ``seeds`` (one per
+  prompt) every row draws its uniforms from its own stream, ``derive_seed(seed, sample)``,
+  so a prompt's completions do not depend on the other prompts in the call (nor on the
+  rank that samples it). Without, rows share the engine's ``torch.Generator``, whose state
+  is saved and restored with the run's checkpoints.
+* In one process the engine holds the policy module itself: training updates are visible to
+  the next rollout, and ``load_weights`` finds the trainer's own tensors and copies nothing.
+  Under torchrun the policy is sharded, so each rank's engine holds a full replica and
+  ``load_weights`` copies the gathered parameters into it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .engine import Completion, SamplingParams
+from .engine import Completion, SamplingParams, derive_seed
 
 
 def sample_tokens(
@@ -31,12 +36,14 @@ def sample_tokens(
     top_p: float = 1.0,
     banned: list[int] | None = None,
     generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` [R, V]. Returns (tokens [R], logps [R]).
 
     The reported log-prob is log softmax(logits / T) at the sampled token, before top-k/top-p
     truncation or banned tokens: the trainer recomputes that same quantity from the same
     weights, so the two agree (tested to 1e-4 in fp32). Greedy (T = 0) reports T = 1.
+    ``uniforms`` [R] in [0, 1): the draws to use (per-row streams); else drawn from ``generator``.
     """
     logits = logits.float()
     scaled = logits / temperature if temperature > 0 else logits
@@ -63,7 +70,9 @@ def sample_tokens(
         # Inverse-CDF sampling: one uniform per row. torch.multinomial draws per vocabulary
         # entry and was the largest cost of a decode step after the forward on CPU.
         cdf = probs.cumsum(-1)
-        u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+        if uniforms is None:
+            uniforms = torch.rand(probs.shape[0], generator=generator, device=probs.device, dtype=cdf.dtype)
+        u = uniforms.to(cdf.device, cdf.dtype).unsqueeze(-1) * cdf[:, -1:]
         tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
     return tokens, logps_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
@@ -89,9 +98,12 @@ class HFEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
 
     # ------------------------------------------------------------------ protocol
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy weights in, unless they are this engine's own parameters (shared policy)."""
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy each named tensor into the engine's parameter of that name. A tensor that *is*
+        that parameter (the engine shares the trainer's module, one process) is not copied.
+        Returns the number of tensors copied."""
         params = dict(self.model.named_parameters())
+        copied = 0
         with torch.no_grad():
             for name, tensor in named_tensors:
                 p = params.get(name)
@@ -99,6 +111,8 @@ class HFEngine:
                     raise KeyError(f"engine has no parameter {name!r}")
                 if p.data_ptr() != tensor.data_ptr():
                     p.copy_(tensor.to(p.device, p.dtype))
+                    copied += 1
+        return copied
 
     def sleep(self) -> None:
         if self.device.type == "cuda":
@@ -114,11 +128,14 @@ class HFEngine:
         self.generator.set_state(state["generator"])
 
     # ------------------------------------------------------------------ sampling
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *, seeds: list[int] | None = None
+                 ) -> list[list[Completion]]:
         if not prompts:
             return []
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"seeds: {len(seeds)} seeds for {len(prompts)} prompts")
         gen = self.generator
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -130,13 +147,20 @@ class HFEngine:
         try:
             with torch.no_grad():
                 for start in range(0, len(prompts), per_chunk):
-                    rows = self._generate_chunk(prompts[start : start + per_chunk], params, n, gen)
+                    chunk_seeds = seeds[start : start + per_chunk] if seeds is not None else None
+                    rows = self._generate_chunk(prompts[start : start + per_chunk], params, n, gen, chunk_seeds)
                     out.extend(rows[i * n : (i + 1) * n] for i in range(len(rows) // n))
         finally:
             self.model.train(was_training)
         return out
 
-    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, n: int, gen) -> list[Completion]:
+    def _row_uniforms(self, seeds: list[int], n: int, steps: int) -> torch.Tensor:
+        """[P * n, steps] uniforms, row i * n + j from the stream of ``derive_seed(seeds[i], j)``."""
+        rows = [torch.rand(steps, generator=torch.Generator().manual_seed(derive_seed(s, j))) for s in seeds for j in range(n)]
+        return torch.stack(rows).to(self.device)
+
+    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, n: int, gen,
+                        seeds: list[int] | None = None) -> list[Completion]:
         from transformers import DynamicCache
 
         dev = self.device
@@ -169,11 +193,14 @@ class HFEngine:
         reason: list[str | int | None] = [None] * R
         active = torch.arange(R, device=dev)  # batch position -> row id
         pending = 0  # finished rows still in the batch
+        # per-row streams: each row's t-th uniform is fixed by its seed, whatever else is in the batch
+        U = self._row_uniforms(seeds, n, params.max_new_tokens) if seeds is not None and params.temperature > 0 else None
 
         for t in range(params.max_new_tokens):
             banned = banned_until_min if t < params.min_new_tokens else None
             tok, lp = sample_tokens(
-                logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, banned=banned, generator=gen
+                logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, banned=banned, generator=gen,
+                uniforms=U[active, t] if U is not None else None,
             )
             tok_l, lp_l, rows = tok.tolist(), lp.tolist(), active.tolist()
             last = t + 1 == params.max_new_tokens

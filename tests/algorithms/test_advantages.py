@@ -191,19 +191,18 @@ def test_reinforce_pp_skips_unmasked_tokens_inside_a_sequence():
 
 def _naive_reinforce_pp(r, m, gamma, group_size=None, baseline="none", eps=1e-6):
     B, T = len(r), len(r[0])
+    r = [list(row) for row in r]
+    if baseline == "group_mean":  # the group's mean total reward comes off each outcome (last masked token)
+        totals = [sum(r[i][t] for t in range(T) if m[i][t]) for i in range(B)]
+        for i in range(B):
+            g0 = (i // group_size) * group_size
+            b = sum(totals[g0 : g0 + group_size]) / group_size
+            r[i][max(t for t in range(T) if m[i][t])] -= b
     G_ret = [[0.0] * T for _ in range(B)]
     for i in range(B):
         idx = [t for t in range(T) if m[i][t]]
         for k, t in enumerate(idx):
             G_ret[i][t] = sum(gamma ** (l - k) * r[i][idx[l]] for l in range(k, len(idx)))
-    if baseline == "group_mean":
-        totals = [sum(r[i][t] for t in range(T) if m[i][t]) for i in range(B)]
-        for i in range(B):
-            g0 = (i // group_size) * group_size
-            b = sum(totals[g0 : g0 + group_size]) / group_size
-            for t in range(T):
-                if m[i][t]:
-                    G_ret[i][t] -= b
     vals = [G_ret[i][t] for i in range(B) for t in range(T) if m[i][t]]
     mean = sum(vals) / len(vals)
     std = statistics.stdev(vals)
@@ -230,6 +229,38 @@ def test_reinforce_pp_all_equal_returns_give_zero():
     # with the group baseline every return becomes 7.3 - 7.3 = 0 -> 0
     A = reinforce_pp_advantages(r, torch.ones(4, 3), group_size=2, baseline="group_mean")
     assert torch.equal(A, torch.zeros(4, 3))
+
+
+def test_reinforce_pp_baseline_with_discount_by_hand():
+    # G = 2, gamma 0.5, outcomes 1 and 0 on the last of 2 tokens. b = 0.5 comes off the outcome:
+    # r' = [[0, 0.5], [0, -0.5]] -> returns [[0.25, 0.5], [-0.25, -0.5]]; mean 0,
+    # unbiased var (0.0625 + 0.25 + 0.0625 + 0.25) / 3 = 0.208333 -> std 0.456435.
+    r = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
+    A = reinforce_pp_advantages(r, torch.ones(2, 2), gamma=0.5, group_size=2, baseline="group_mean", eps=0.0)
+    s = math.sqrt(0.625 / 3)
+    torch.testing.assert_close(A, torch.tensor([[0.25 / s, 0.5 / s], [-0.25 / s, -0.5 / s]]))
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9, 0.5])
+def test_reinforce_pp_baseline_equal_group_gives_zero_for_any_gamma(gamma):
+    # Both groups' rewards are all equal (1, 1 and 0.3, 0.3): nothing to learn, whatever gamma.
+    # (Subtracting the baseline from every return left (gamma^(T-t) - 1) R != 0 for gamma < 1.)
+    r = torch.zeros(4, 3)
+    r[:, -1] = torch.tensor([1.0, 1.0, 0.3, 0.3])
+    A = reinforce_pp_advantages(r, torch.ones(4, 3), gamma=gamma, group_size=2, baseline="group_mean")
+    assert torch.equal(A, torch.zeros(4, 3))
+
+
+def test_reinforce_pp_penalties_come_after_the_baseline():
+    # Equal outcomes (baseline takes them to 0): only the per-token penalties -beta*kl remain.
+    # penalties [[-0.1, -0.3], [0, -0.2]], gamma 1 -> returns [[-0.4, -0.3], [-0.2, -0.2]]
+    # masked mean -0.275; deviations [-0.125, -0.025, 0.075, 0.075]; var (0.015625 + 0.000625
+    # + 0.005625 * 2) / 3 = 0.0091667
+    r = torch.tensor([[0.0, 1.0], [0.0, 1.0]])
+    pen = torch.tensor([[-0.1, -0.3], [0.0, -0.2]])
+    A = reinforce_pp_advantages(r, torch.ones(2, 2), group_size=2, baseline="group_mean", token_penalties=pen, eps=0.0)
+    s = math.sqrt((0.015625 + 0.000625 + 2 * 0.005625) / 3)
+    torch.testing.assert_close(A, torch.tensor([[-0.125, -0.025], [0.075, 0.075]]) / s)
 
 
 def test_reinforce_pp_empty_mask_and_errors():

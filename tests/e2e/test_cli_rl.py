@@ -17,6 +17,8 @@ from ..conftest import REPO, run_cli
 from ..rl_toy import make_toy, toy_overrides
 
 PRESETS = ["dr_grpo", "grpo", "dapo", "ppo", "rloo", "reinforce_pp", "gspo", "calculator_tool"]
+KL_PRESETS = ("grpo", "ppo", "rloo", "reinforce_pp")
+STAGES = ("rollout", "reward", "reference", "old_logps", "values", "update", "sync", "step")
 
 
 def _changed(a_dir: Path, b_dir: Path) -> int:
@@ -47,9 +49,12 @@ def test_preset_runs_learns_and_resumes(preset, tiny_model_dir, tmp_path):
     rows = [r for r in read_metrics(run) if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        for key in ("actor/loss", "actor/entropy", "actor/grad_norm", "actor/clip_frac", "actor/kl", "actor/logp_mismatch",
-                    "reward/std", "reward/score", "response/length_mean", "response/length_max", "response/truncated_frac",
-                    "time/rollout_s", "time/train_s", "time/sync_s", "perf/tokens_per_s", "actor/lr"):
+        keys = ["actor/loss", "actor/entropy", "actor/grad_norm", "actor/clip_frac", "actor/logp_mismatch", "actor/lr",
+                "reward/std", "reward/score", "response/length_mean", "response/length_max", "response/truncated_frac",
+                "perf/tokens_per_s", *(f"time/{s}_s" for s in STAGES)]
+        if preset in KL_PRESETS:
+            keys.append("actor/kl")
+        for key in keys:
             assert key in r and math.isfinite(r[key]), (key, r)
         assert r["actor/logp_mismatch"] < 1e-4  # engine and trainer agree on the sampled tokens
     if preset == "ppo":
@@ -64,7 +69,7 @@ def test_preset_runs_learns_and_resumes(preset, tiny_model_dir, tmp_path):
 
 def test_resume_is_exact_with_critic_reference_and_engine_rng(tiny_model_dir, tmp_path):
     common = [*toy_overrides(tiny_model_dir, tmp_path, fn="graded"), "algorithm.advantage=gae", "algorithm.kl_coef=0.05",
-              "algorithm.kl_in_reward=true", "algorithm.mini_batches=2", "algorithm.ppo_epochs=2", "rollout.n=2",
+              "algorithm.kl=reward", "algorithm.mini_batches=2", "algorithm.ppo_epochs=2", "rollout.n=2",
               "prompts_per_step=4", "max_steps=4", "checkpoint.save_every=1", "optim.lr=1e-3", "critic.lr=1e-3"]
     straight, resumed = tmp_path / "a", tmp_path / "b"
     run_cli("rl", *common, f"run_dir={straight}")
@@ -109,6 +114,6 @@ def test_nan_guard_skips_and_stops_with_last_good_checkpoint(tiny_model_dir, tmp
             "algorithm.loss_agg=seq-mean-token-sum", "prompts_per_step=4", "max_steps=10", "nan_patience=2",
             f"run_dir={run}", "logging.tensorboard=false")
     rows = [r for r in read_metrics(run) if "reward/mean" in r]
-    assert len(rows) == 2 and all(r["train/skipped_updates"] == 1 for r in rows)
+    assert len(rows) == 2 and all(r["actor/skipped_updates"] == 1 for r in rows)
     (step, ckpt), = list_checkpoints(run)
     assert step == 2 and _changed(Path(tiny_model_dir), ckpt) == 0  # the last good weights = the initial ones

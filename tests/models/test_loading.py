@@ -67,3 +67,98 @@ def test_tiny_scheme_builds_once(tmp_path, monkeypatch):
     assert (tmp_path / "tiny" / "llama-micro" / "config.json").stat().st_mtime == mtime
     tok = load_tokenizer("tiny:micro:llama")
     assert tok.pad_token_id is not None and tok.chat_template
+
+
+# ---------------------------------------------------------------- dropout is off
+
+
+def _dropout_qwen2(src, out):
+    """The tiny Qwen2 (built by ``build_tiny_model``) saved with attention_dropout=0.5: a float
+    that Qwen2 attention hands to the SDPA kernel in train mode (no nn.Dropout module)."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    shutil.copytree(src, out)
+    cfg = AutoConfig.from_pretrained(out)
+    cfg.attention_dropout = 0.5
+    cfg.save_pretrained(out)
+    return out
+
+
+def _dropout_gpt2(out):
+    """A tiny random GPT2 whose dropouts are real nn.Dropout modules (and pdrop config fields)."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.5, embd_pdrop=0.5,
+                     attn_pdrop=0.5, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    return out
+
+
+IDS = torch.tensor([[5, 17, 30, 42, 8, 9, 10, 7], [1, 2, 3, 4, 5, 6, 7, 8]])
+
+
+def _assert_deterministic_in_train_mode(model):
+    assert model.training  # still train mode: HF gradient checkpointing only runs there
+    with torch.no_grad():
+        a, b = model(IDS).logits, model(IDS).logits
+        model.eval()
+        c = model(IDS).logits
+        model.train()
+    assert torch.equal(a, b)
+    torch.testing.assert_close(a, c, atol=0.0, rtol=0.0)
+
+
+def _live_dropout_changes_logits(path):
+    """The control: loaded plainly, the same model in train mode is not deterministic."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").train()
+    with torch.no_grad():
+        return not torch.equal(model(IDS).logits, model(IDS).logits)
+
+
+def test_load_causal_lm_disables_attention_dropout(tiny_model_dir, tmp_path):
+    path = _dropout_qwen2(tiny_model_dir, tmp_path / "qwen2-dropout")
+    assert _live_dropout_changes_logits(path)
+    model = load_causal_lm(str(path))
+    assert model.config.attention_dropout == 0.0
+    floats = [m.attention_dropout for m in model.modules() if hasattr(m, "attention_dropout")]
+    assert floats and all(p == 0.0 for p in floats)
+    _assert_deterministic_in_train_mode(model)
+
+
+def test_load_causal_lm_disables_dropout_modules_and_config(tmp_path):
+    import json
+
+    path = _dropout_gpt2(tmp_path / "gpt2-dropout")
+    assert _live_dropout_changes_logits(path)
+    model = load_causal_lm(str(path))
+    ps = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert len(ps) >= 7 and all(p == 0.0 for p in ps)  # embd, 2 x (attn, resid, mlp)
+    _assert_deterministic_in_train_mode(model)
+    model.save_pretrained(tmp_path / "saved")  # a saved copy reloads dropout-free
+    cfg = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert cfg["resid_pdrop"] == cfg["embd_pdrop"] == cfg["attn_pdrop"] == 0.0
+
+
+def test_lora_dropout_stays_as_asked(tmp_path):
+    model = load_causal_lm(str(_dropout_gpt2(tmp_path / "gpt2-dropout")))
+    model = apply_lora(model, r=4, alpha=8, dropout=0.25, target_modules=["c_attn"])
+    lora = [m.p for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and "lora_dropout" in n]
+    base = [m.p for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and "lora_dropout" not in n]
+    assert lora and all(p == 0.25 for p in lora)
+    assert base and all(p == 0.0 for p in base)
+
+
+def test_reward_model_dropout_off_in_train_mode(tiny_model_dir, tmp_path):
+    from relign.models.reward import _backbone, load_reward_model
+
+    model = load_reward_model(str(_dropout_qwen2(tiny_model_dir, tmp_path / "qwen2-dropout")))
+    assert model.training and model.config.attention_dropout == 0.0
+    assert all(m.attention_dropout == 0.0 for m in model.modules() if hasattr(m, "attention_dropout"))
+    with torch.no_grad():
+        a, b = _backbone(model)(IDS).last_hidden_state, _backbone(model)(IDS).last_hidden_state
+    assert torch.equal(a, b)

@@ -42,7 +42,7 @@ def test_shared_prompt_forwards_do_not_change_the_step(tiny_model_dir, tmp_path)
         cfg = load_config(rl_recipe.Config, None, [
             *toy_overrides(tiny_model_dir, tmp_path / sub, fn="graded"), f"run_dir={tmp_path / sub / 'run'}",
             "checkpoint.save_final=false", "traces_per_step=0", "rollout.n=4", "prompts_per_step=4", "micro_batch_size=8",
-            "max_steps=3", "algorithm.kl_coef=0.1", "algorithm.mini_batches=2", "optim.lr=1e-3", f"share_prompt={share}",
+            "max_steps=3", "algorithm.kl=loss", "algorithm.kl_coef=0.1", "algorithm.mini_batches=2", "optim.lr=1e-3", f"share_prompt={share}",
         ])
         return [(r["reward/mean"], r["actor/loss"], r["actor/kl"]) for r in rl_recipe.train(cfg).history if "reward/mean" in r]
 

@@ -1,0 +1,122 @@
+"""Configs become components here, and only here (torchtune's builder idea).
+
+Recipes call these with their config sections; everything below this module takes flat
+arguments. One function per component, so ``rl.train`` reads as the algorithm and not as
+the unpacking of ``ModelConfig`` field by field.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import distributed
+from ..config import ConfigError
+from ..models.loading import apply_lora, load_causal_lm
+from ..models.value import ValueModel
+from ..tracking import Tracker
+
+if TYPE_CHECKING:  # the config classes of the recipes that call these
+    from ..config import LoggingConfig, ModelConfig
+    from .rl import LearnedRewardConfig, RolloutConfig, TaskConfig
+
+ENGINES = ("hf",)
+
+
+def load_policy(m: ModelConfig, device) -> torch.nn.Module:
+    """The trainable policy: ``model.path`` (+ a LoRA adapter), in train mode, dropout off."""
+    model = load_causal_lm(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                           trust_remote_code=m.trust_remote_code, gradient_checkpointing=m.gradient_checkpointing,
+                           device=device)
+    if m.lora.enabled:
+        model = apply_lora(model, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout, target_modules=m.lora.target_modules)
+    return model
+
+
+def load_frozen(path: str, m: ModelConfig, device) -> torch.nn.Module:
+    """A frozen copy of a causal LM (the reference policy): eval mode, no gradients."""
+    model = load_causal_lm(path, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                           trust_remote_code=m.trust_remote_code, device=device)
+    return model.eval().requires_grad_(False)
+
+
+def load_critic(path: str, m: ModelConfig, device) -> ValueModel:
+    """A value model V(s_t): the causal LM at ``path`` with a zero-initialized scalar head."""
+    return ValueModel(load_causal_lm(path, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                                     trust_remote_code=m.trust_remote_code,
+                                     gradient_checkpointing=m.gradient_checkpointing, device=device))
+
+
+def tracker_for(lg: LoggingConfig, run_dir, *, total_steps: int, start_step: int, desc: str, bar_keys: tuple[str, ...]) -> Tracker:
+    return Tracker(run_dir, total_steps=total_steps, start_step=start_step, desc=desc, bar_keys=bar_keys,
+                   progress=lg.progress, tensorboard=lg.tensorboard, wandb=lg.wandb, wandb_project=lg.wandb_project,
+                   run_name=lg.run_name)
+
+
+def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows: int, seed: int):
+    """The rollout engine, built before the policy is sharded.
+
+    hf, one process: the engine samples from the policy module itself (no second copy, and
+    ``load_weights`` copies nothing). Under torchrun the policy is about to be sharded and
+    each rank samples on its own, so the engine gets a full replica of it, in eval mode and
+    without gradients, that ``load_weights`` refreshes after every update.
+    """
+    if kind not in ENGINES:
+        raise ConfigError(f"bad value for 'rollout.engine': {kind!r}; choose one of {', '.join(ENGINES)}")
+    from ..rollout.hf_engine import HFEngine
+
+    model = policy
+    if distributed.world_size() > 1:
+        model = copy.deepcopy(policy).eval().requires_grad_(False)
+    return HFEngine(model, tokenizer, max_batch_rows=max_batch_rows, seed=seed)
+
+
+def task_for(t: TaskConfig):
+    """The task of an RL run (a built-in task, a custom one, or a procedural multi-turn one)."""
+    from ..evaluate import make_task
+
+    return make_task(t.name, path=t.path, reward_fn=t.reward_fn, chat=t.chat, system_prompt=t.system_prompt,
+                     format_weight=t.format_weight, single_turn=False)
+
+
+def collector_for(task, t: TaskConfig, ro: RolloutConfig, rw: LearnedRewardConfig, tokenizer, engine, *,
+                  m: ModelConfig, device, seed: int):
+    """Prompts, reward workers (or the multi-turn environment) and the learned reward of a run."""
+    from ..envs.base import load_function
+    from ..envs.rewards import RewardPool
+    from ..rollout.collect import RolloutCollector
+    from ..rollout.engine import SamplingParams
+
+    env_spec = t.env or task.env or ""
+    if rw.model and env_spec:
+        raise ConfigError("reward.model scores single-turn completions; it cannot be combined with a multi-turn environment "
+                          f"(task.env or task.name={t.name})")
+    try:
+        env = load_function(env_spec)() if env_spec else None
+        records = task.load(t.path or None, t.split or None, max_rows=t.max_rows, seed=seed)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        raise ConfigError(f"task: {e}") from None
+    scorer = None
+    if rw.model:  # a learned reward: a second model, scoring completions in batches
+        from ..models.reward import load_scorer
+
+        try:
+            scorer = load_scorer(rw.model, rw.kind, device=device, batch_size=rw.batch_size, max_length=rw.max_length,
+                                 dtype=m.dtype, trust_remote_code=m.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"reward.model={rw.model}: {e}") from None
+    sampling = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+                              max_new_tokens=ro.max_new_tokens, min_new_tokens=ro.min_new_tokens, stop=list(ro.stop),
+                              ignore_eos=ro.ignore_eos)
+    pool = None if env is not None else RewardPool.from_task(task, num_workers=t.reward_workers, timeout=t.reward_timeout)
+    collector = RolloutCollector(
+        tokenizer, engine, records, sampling=sampling, pool=pool, env=env, term_weights=task.term_weights,
+        max_turns=ro.max_turns, max_response_tokens=ro.max_response_tokens, max_prompt_length=t.max_prompt_length,
+        seed=seed, scorer=scorer, scorer_weight=rw.weight, rule_weight=rw.rule_weight,
+    )
+    if not len(collector):
+        collector.close()
+        raise ConfigError(f"task '{t.name}': no prompt fits task.max_prompt_length={t.max_prompt_length}")
+    return collector

@@ -1,0 +1,300 @@
+"""The RL update: log-probs and values of a rollout batch, and the policy and critic steps.
+
+Flat arguments only (no config objects): the recipe builds ``ActorLoss`` and ``Layout`` once
+from its config and passes tensors.
+
+Micro-batches are cut by token count. The batch's items (whole groups when their prompt is
+computed once, else single sequences) are spread over ranks and micro-batches with
+Karmarkar–Karp (``data.balance``), every rank running the same number of passes. Each
+micro-batch runs in one of three layouts, all giving the same per-token log-probs:
+
+* ``shared``  rows padded, each group's prompt computed once and its KV cache reused by the
+              group's G responses (``shared_prefix_token_logps``; the fastest on CPU);
+* ``padded``  rows right-padded to the micro-batch's longest row;
+* ``packed``  the micro-batch's sequences concatenated in one row with per-sequence position
+              ids: no padding at all; transformers turns the position ids into varlen
+              flash-attention on GPU and a block-diagonal causal mask with SDPA/eager on CPU.
+
+Whatever the layout, results come back in the batch's row layout [n, L], so the losses,
+masks and metrics below never see it.
+
+Losses are normalized by counts over the whole mini-batch on all ranks (every rank holds the
+whole batch's masks, so the count needs no communication): the summed gradient is that of
+the full mini-batch, whatever the micro-batching, packing or number of ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .. import distributed
+from ..algorithms.aggregation import aggregate, aggregate_count
+from ..algorithms.kl import kl_estimate
+from ..algorithms.policy_losses import entropy_bonus_loss, gspo_loss, ppo_clip_loss, value_loss
+from ..data.balance import micro_batch_plan
+from ..models.logprobs import shared_prefix_token_logps, token_logps
+from ..optim import clip_gradients
+from ..rollout.batch import RolloutBatch
+
+LAYOUTS = ("shared", "padded", "packed")
+
+
+# --------------------------------------------------------------------------- micro-batches
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How rows become forward passes: the layout, the group size G, the token and row budgets."""
+
+    kind: str = "padded"
+    group_size: int = 1
+    max_tokens: int = 0
+    """Most tokens (prompt + response, as run) in one micro-batch; 0 = no limit."""
+    max_rows: int = 0
+    """Most sequences in one micro-batch; 0 = no limit."""
+
+
+@dataclass
+class MicroBatch:
+    rows: torch.Tensor  # [n] long: rows of the batch
+    weight: float = 1.0
+    """0: a pass that only keeps this rank in step with the others (FSDP), it adds nothing."""
+
+
+def plan(batch: RolloutBatch, rows: torch.Tensor, layout: Layout) -> list[MicroBatch]:
+    """This rank's micro-batches of ``rows`` (whole groups for the shared layout)."""
+    G = layout.group_size if layout.kind == "shared" else 1
+    items = rows.view(-1, G)  # [n_items, G]
+    seq = batch.seq_lens[items]  # [n_items, G]
+    # tokens as computed: a shared prompt counts once per group
+    sizes = (seq.sum(-1) - (G - 1) * batch.prompt_lens[items[:, 0]]).tolist()
+    max_items = max(1, layout.max_rows // G) if layout.max_rows else 0
+    mine = micro_batch_plan(sizes, ranks=distributed.world_size(), max_tokens=layout.max_tokens, max_items=max_items)
+    mine = mine[distributed.rank()]
+    smallest = min(range(len(sizes)), key=lambda i: (sizes[i], i))
+    return [MicroBatch(items[part].flatten()) if part else MicroBatch(items[smallest], weight=0.0) for part in mine]
+
+
+# --------------------------------------------------------------------------- forward passes
+
+
+def _packed(batch: RolloutBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' real tokens in one row: ids, position ids, response mask [1, S], and the
+    (row, column) of each packed token [S] for scattering results back."""
+    lens = batch.seq_lens[rows]  # [n]
+    row_of = torch.repeat_interleave(torch.arange(len(rows), device=rows.device), lens)  # [S]
+    col = torch.arange(int(lens.sum()), device=rows.device) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+    r = rows[row_of]
+    return batch.input_ids[r, col][None], col[None], batch.response_mask[r, col][None], torch.stack([row_of, col])
+
+
+def forward_logps(model, batch: RolloutBatch, rows: torch.Tensor, layout: Layout, *, temperature: float,
+                  with_entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropy) of the rows, [n, L] in the batch's row layout, 0 outside
+    the response tokens."""
+    L = batch.input_ids.shape[1]
+    kw = dict(temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
+    if layout.kind == "shared" and layout.group_size > 1:
+        mb = batch.rows(rows)
+        return shared_prefix_token_logps(model, mb["input_ids"], mb["attention_mask"], mb["prompt_lens"],
+                                         layout.group_size, **kw)
+    if layout.kind == "packed":
+        ids, pos, rmask, where = _packed(batch, rows)
+        lp, ent = token_logps(model, ids, position_ids=pos, target_mask=rmask, **kw)  # [1, S]
+        # a packed segment's first token is scored against the previous segment: never a target
+        back = lambda x: x.new_zeros(len(rows), L).index_put((where[0], where[1]), x[0] * rmask[0])  # noqa: E731
+        return back(lp), back(ent) if ent is not None else None
+    # padded: right padding under causal attention needs no mask; cut to the longest row
+    width = int(batch.seq_lens[rows].max())
+    lp, ent = token_logps(model, batch.input_ids[rows, :width], target_mask=batch.response_mask[rows, :width], **kw)
+    pad = lambda x: F.pad(x, (0, L - width)) if x is not None else None  # noqa: E731
+    return pad(lp), pad(ent)
+
+
+def forward_values(critic, batch: RolloutBatch, rows: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """V(s_t) [n, L] of the rows (the critic has no shared-prompt path: shared runs padded)."""
+    L = batch.input_ids.shape[1]
+    if layout.kind == "packed":
+        ids, pos, rmask, where = _packed(batch, rows)
+        v = critic(ids, position_ids=pos)  # [1, S]
+        return v.new_zeros(len(rows), L).index_put((where[0], where[1]), v[0] * rmask[0])
+    width = int(batch.seq_lens[rows].max())
+    return F.pad(critic(batch.input_ids[rows, :width]), (0, L - width))
+
+
+@torch.no_grad()
+def score_logps(model, batch: RolloutBatch, micro: list[MicroBatch], layout: Layout, *, temperature: float) -> torch.Tensor:
+    """log pi(y_t) [N, L] of the whole batch on every rank: each rank scores its micro-batches,
+    and the ranks' rows are summed together (each row belongs to exactly one rank)."""
+    out = torch.zeros(batch.input_ids.shape, device=batch.input_ids.device)
+    for m in micro:
+        lp, _ = forward_logps(model, batch, m.rows, layout, temperature=temperature)
+        if m.weight:
+            out[m.rows] = lp
+    distributed.reshard(model)  # a forward with no backward: see distributed.reshard
+    return distributed.all_reduce_sum(out)
+
+
+@torch.no_grad()
+def score_values(critic, batch: RolloutBatch, micro: list[MicroBatch], layout: Layout) -> torch.Tensor:
+    """V(s_t) [N, L] of the whole batch on every rank (as ``score_logps``)."""
+    out = torch.zeros(batch.input_ids.shape, device=batch.input_ids.device)
+    for m in micro:
+        v = forward_values(critic, batch, m.rows, layout)
+        if m.weight:
+            out[m.rows] = v
+    distributed.reshard(critic)
+    return distributed.all_reduce_sum(out)
+
+
+# --------------------------------------------------------------------------- the losses
+
+
+@dataclass(frozen=True)
+class ActorLoss:
+    """The per-token actor loss: policy surrogate (times the TIS weight), + beta * KL when the KL
+    is a loss term, - the entropy bonus; reduced with ``agg`` over the mini-batch."""
+
+    policy_loss: str = "ppo_clip"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float = 0.0
+    kl_coef: float = 0.0
+    """beta of the KL term in the loss (0: the KL is not in the loss)."""
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    agg: str = "token-mean"
+    max_len: int = 0
+    """The constant L of seq-mean-token-sum-norm (the longest possible response)."""
+
+    def __call__(self, logps, old_logps, advantages, mask, *, ref_logps=None, entropy=None, tis=None):
+        """logps, old_logps, advantages, mask, ref_logps, entropy, tis: [n, L]. Returns (loss [n, L], info)."""
+        if self.policy_loss == "gspo":
+            # GSPO uses one advantage per sequence: the (constant) per-token advantage of the row
+            seq_a = (advantages * mask).sum(-1) / mask.sum(-1).clamp_min(1)
+            loss, info = gspo_loss(logps, old_logps, seq_a, mask, clip_low=self.clip_low, clip_high=self.clip_high)
+        else:
+            loss, info = ppo_clip_loss(logps, old_logps, advantages, clip_low=self.clip_low, clip_high=self.clip_high,
+                                       dual_clip=self.dual_clip if self.dual_clip > 0 else None)
+        if tis is not None:
+            loss = loss * tis
+        if ref_logps is not None:
+            kl = kl_estimate(logps, ref_logps, self.kl_estimator)
+            if self.kl_coef > 0:
+                loss = loss + self.kl_coef * kl
+            info["kl"] = kl.detach()
+        if self.entropy_coef > 0:
+            loss = loss + self.entropy_coef * entropy_bonus_loss(entropy)
+        return loss, info
+
+
+class Stats:
+    """Metric sums over this rank's tokens, reduced over ranks once at the end of the step."""
+
+    def __init__(self):
+        self.sums: dict[str, list[float]] = {}  # key -> [sum, count]
+        self.values: dict[str, list[float]] = {}  # key -> already global values (one per update)
+
+    def add_masked(self, key: str, x: torch.Tensor, mask: torch.Tensor, weight: float = 1.0) -> None:
+        if weight:
+            s = self.sums.setdefault(key, [0.0, 0.0])
+            s[0] += float((x * mask).sum())
+            s[1] += float(mask.sum())
+
+    def add(self, key: str, value: float) -> None:
+        self.values.setdefault(key, []).append(float(value))
+
+    def reduce(self) -> dict[str, float]:
+        out = {k: sum(v) if k.endswith(("skipped_updates", "empty_updates")) else sum(v) / len(v) for k, v in self.values.items()}
+        if self.sums:
+            keys = sorted(self.sums)
+            t = distributed.all_reduce_sum(torch.tensor([self.sums[k] for k in keys], dtype=torch.float64))
+            out.update({k: float(s / c) for k, (s, c) in zip(keys, t.tolist()) if c > 0})
+        return out
+
+
+def _step(optimizer, scheduler, params, max_grad_norm: float, loss_finite: bool, stats: Stats, prefix: str) -> bool:
+    """Clip, then step unless the loss or the gradient is not finite (the NaN guard keeps the
+    last good weights). The schedule advances either way: it counts planned updates, so the
+    last one is at the schedule's end whatever was skipped."""
+    gn = clip_gradients(params, max_grad_norm)
+    ok = loss_finite and math.isfinite(gn)
+    if ok:
+        optimizer.step()
+    else:
+        stats.add(f"{prefix}/skipped_updates", 1.0)
+    stats.add(f"{prefix}/grad_norm", gn)
+    if scheduler is not None:
+        stats.add(f"{prefix}/lr", scheduler.get_last_lr()[0])
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return ok
+
+
+def update_policy(policy, optimizer, scheduler, params, batch: RolloutBatch, mini_batches: list[torch.Tensor],
+                  layout: Layout, loss_fn: ActorLoss, *, advantages, old_logps=None, ref_logps=None, tis=None,
+                  temperature: float = 1.0, max_grad_norm: float = 1.0) -> tuple[Stats, int]:
+    """One optimizer step per mini-batch (rows [m], whole groups): the clipped policy loss over
+    this rank's micro-batches, normalized by the mini-batch's global count.
+
+    ``old_logps`` None: the batch serves one update, so the log-probs of the sampling policy
+    are the current ones, detached (the ratio is 1 and its gradient exact). Returns the
+    metrics and the number of updates skipped by the NaN guard."""
+    mask, world = batch.response_mask, distributed.world_size()
+    stats, skipped = Stats(), 0
+    for b_rows in mini_batches:
+        if len(b_rows) == 0:  # dynamic sampling kept fewer groups than there are mini-batches
+            stats.add("actor/empty_updates", 1.0)
+            if scheduler is not None:
+                scheduler.step()
+            continue
+        normalizer = aggregate_count(mask[b_rows], loss_fn.agg, max_len=loss_fn.max_len)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for m in plan(batch, b_rows, layout):
+            mb_rows = m.rows
+            mb_mask = mask[mb_rows]  # [n, L]
+            logps, ent = forward_logps(policy, batch, mb_rows, layout, temperature=temperature, with_entropy=True,
+                                       entropy_grad=loss_fn.entropy_coef > 0)
+            old = old_logps[mb_rows] if old_logps is not None else logps.detach()
+            loss_tok, info = loss_fn(logps, old, advantages[mb_rows], mb_mask, entropy=ent,
+                                     ref_logps=ref_logps[mb_rows] if ref_logps is not None else None,
+                                     tis=tis[mb_rows] if tis is not None else None)
+            loss = aggregate(loss_tok, mb_mask, loss_fn.agg, normalizer, max_len=loss_fn.max_len) * m.weight
+            (loss * world).backward()  # FSDP averages gradients over ranks: make it their sum
+            loss_sum += loss.detach().double().cpu()
+            stats.add_masked("actor/entropy", ent.detach(), mb_mask, m.weight)
+            stats.add_masked("actor/clip_frac", info["clipped"], mb_mask, m.weight)
+            if "kl" in info:
+                stats.add_masked("actor/kl", info["kl"], mb_mask, m.weight)
+            if old_logps is None:  # one update: these are still the sampling policy's log-probs
+                stats.add_masked("actor/logp_mismatch", (batch.sampling_logps[mb_rows] - logps.detach()).abs(), mb_mask, m.weight)
+        loss_total = float(distributed.all_reduce_sum(loss_sum))  # the mini-batch's loss, all ranks
+        stats.add("actor/loss", loss_total)
+        skipped += not _step(optimizer, scheduler, params, max_grad_norm, math.isfinite(loss_total), stats, "actor")
+    return stats, skipped
+
+
+def update_critic(critic, optimizer, params, batch: RolloutBatch, mini_batches: list[torch.Tensor], layout: Layout, *,
+                  old_values, returns, value_clip: float = 0.0, max_grad_norm: float = 1.0) -> Stats:
+    """One critic step per mini-batch: the (clipped) value loss, token-mean over the mini-batch."""
+    mask, world = batch.response_mask, distributed.world_size()
+    stats = Stats()
+    for b_rows in mini_batches:
+        if len(b_rows) == 0:
+            continue
+        normalizer = aggregate_count(mask[b_rows], "token-mean")
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for m in plan(batch, b_rows, layout):
+            v = forward_values(critic, batch, m.rows, layout)
+            vl = value_loss(v, old_values[m.rows], returns[m.rows], clip=value_clip or None)
+            loss = aggregate(vl, mask[m.rows], "token-mean", normalizer) * m.weight
+            (loss * world).backward()
+            loss_sum += loss.detach().double().cpu()
+        loss_total = float(distributed.all_reduce_sum(loss_sum))
+        stats.add("critic/value_loss", loss_total)
+        _step(optimizer, None, params, max_grad_norm, math.isfinite(loss_total), stats, "critic")
+    return stats
