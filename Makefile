@@ -27,7 +27,7 @@ demo: $(STAMP)
 	$(BIN)/relign demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --durations=15
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[bench]"

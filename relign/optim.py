@@ -62,11 +62,20 @@ def warmup_steps_of(total_steps: int, warmup_steps: int, warmup_ratio: float) ->
 
 def clip_gradients(params, max_norm: float) -> float:
     """Clip the global gradient norm to ``max_norm`` (0 = no clipping); returns the norm before
-    clipping as a float (gathered from FSDP's DTensor shards), possibly inf/NaN."""
-    norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm if max_norm > 0 else float("inf"))
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
+    clipping as a float (gathered from FSDP's DTensor shards), possibly inf/NaN.
+
+    Each parameter's norm is accumulated in float64: the float32 norm of a gradient with 10^5
+    entries is off by ~1e-5 relative (rounding of the summed squares), which is both a worse
+    metric and enough to make a 1-rank and a 2-rank run report different norms for the same
+    gradients (each rank sums only its shard)."""
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return 0.0
+    norms = [torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float64) for p in params]
+    total = torch.linalg.vector_norm(torch.stack(norms), 2.0).float()  # a DTensor under FSDP
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total.full_tensor() if hasattr(total, "full_tensor") else total)
 
 
 def build_training(model, o, total_steps: int):

@@ -12,6 +12,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One compute thread per xdist worker (and per CLI subprocess it starts): the workers
+    # share the cores, and more threads than cores only adds contention.
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -105,12 +105,15 @@ def group_advantages(
     return A.reshape(-1)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, scale_only: bool = False,
+                  eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / (std + eps) with mean and std over the tokens where ``mask`` is set.
 
     shift_mean=False adds the mean back, (x - mean) / (std + eps) + mean, i.e. rescales the
     spread but keeps the mean; this is what TRL's and veRL's ``masked_whiten`` do (used to
     whiten rewards without changing their sign on average).
+    scale_only=True gives x / (std + eps): values already centred by a baseline keep their
+    sign and a 0 stays 0 (REINFORCE++-baseline).
     std is unbiased (n - 1), like TRL/veRL ``masked_var``; with 0 or 1 masked tokens it is 0.
     Positions outside the mask are 0 in the result (even if they hold inf/NaN there). An
     empty mask gives all zeros; all-equal masked values give exactly 0 (rounding guard, as in
@@ -128,6 +131,8 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = Tru
         x_min = torch.where(keep, x, torch.inf).amin()
         mean = torch.where(x_max == x_min, x_max, mean)
     var = (((x - mean) * m) ** 2).sum() / (n - 1.0).clamp_min(1.0)
+    if scale_only:  # no spread (one token, or all equal): no signal, rather than x / eps
+        return torch.where(var > 0, x / (var.sqrt() + eps), 0.0) * m
     out = (x - mean) / (var.sqrt() + eps)
     if not shift_mean:
         out = out + mean
@@ -171,13 +176,15 @@ def reinforce_pp_advantages(
         G_t  = sum_{s >= t, s masked} gamma^(s-t) r_s                 (return-to-go)
         A_t  = (G_t - mean(G)) / (std(G) + eps)   mean/std over all masked tokens of the batch
 
-    baseline "none": b = 0 (REINFORCE++). "group_mean" (REINFORCE++-baseline): b_i is the mean
-    over i's group of the sequences' total task reward R_j = sum_t token_rewards_jt, taken
-    off the *outcome* (the last masked token) before discounting, as OpenRLHF subtracts the
-    group mean from the sequence reward before the per-token KL is added. A group whose
-    rewards are all equal then has r_t = token_penalties_t: all zero without a KL term,
-    whatever gamma. (Subtracting b from every token's return instead would leave
-    G_t - b = (gamma^(T-t) - 1) R != 0 for gamma < 1.)
+    baseline "group_mean" (REINFORCE++-baseline): b_i is the mean over i's group of the
+    sequences' total task reward R_j = sum_t token_rewards_jt, taken off the *outcome* (the
+    last masked token) before discounting, as OpenRLHF subtracts the group mean from the
+    sequence reward before the per-token KL is added. The group baseline centres the returns
+    already, so they are only scaled by the batch std, A_t = G_t / (std(G) + eps), as
+    ms-swift/TRL do (OpenRLHF also subtracts the batch mean again). A group whose rewards are
+    all equal then gets A_t = 0 without a KL term, whatever gamma and whatever the rest of the
+    batch. (Subtracting b from every token's return instead left G_t - b =
+    (gamma^(T-t) - 1) R != 0 for gamma < 1, and re-centring on the batch mean moves a 0.)
 
     The batch is whitened as a whole; under data parallelism the caller passes the whole
     step's batch, or the statistics are per rank. Masked positions are 0.
@@ -202,7 +209,7 @@ def reinforce_pp_advantages(
     if token_penalties is not None:
         r = r + torch.where(keep, _as_float(token_penalties), 0.0)
     G_t = _masked_returns(r, mask, gamma)  # [B, T]
-    return masked_whiten(G_t, mask, shift_mean=True, eps=eps)
+    return masked_whiten(G_t, mask, scale_only=baseline == "group_mean", eps=eps)
 
 
 def gae(

@@ -91,10 +91,11 @@ def micro_batch_plan(
             return True
         return (max_tokens <= 0 or sum(sizes[i] for i in part) <= max_tokens) and (max_items <= 0 or len(part) <= max_items)
 
-    m = max(need(items) for items in per_rank)
     most = max(1, max(len(items) for items in per_rank))
-    while True:
+    m = min(max(need(items) for items in per_rank), most)  # never more passes than items (veRL caps it too)
+    while m < most:
         plan = [[[items[j] for j in part] for part in karmarkar_karp([sizes[i] for i in items], m)] for items in per_rank]
-        if m >= most or all(fits(part) for rank in plan for part in rank):
+        if all(fits(part) for rank in plan for part in rank):
             return plan
         m += 1  # a bin over budget: one more micro-batch everywhere, as veRL does
+    return [[[i] for i in items] + [[] for _ in range(most - len(items))] for items in per_rank]  # one item per pass

@@ -132,10 +132,14 @@ def token_logps(
                 return logps, ent
             # a model that ignores index-tensor logits_to_keep: fall through to the full path
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    return shifted_token_logps(
+    logps, ent = shifted_token_logps(
         out.logits, input_ids, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
         chunk_tokens=chunk_tokens,
     )
+    if target_mask is not None:  # every column was a target somewhere: still 0 at this row's non-targets
+        on = target_mask.to(logps.dtype)
+        logps, ent = logps * on, ent * on if ent is not None else None
+    return logps, ent
 
 
 def shared_prefix_token_logps(

@@ -100,8 +100,10 @@ def forward_logps(model, batch: RolloutBatch, rows: torch.Tensor, layout: Layout
     kw = dict(temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
     if layout.kind == "shared" and layout.group_size > 1:
         mb = batch.rows(rows)
-        return shared_prefix_token_logps(model, mb["input_ids"], mb["attention_mask"], mb["prompt_lens"],
-                                         layout.group_size, **kw)
+        lp, ent = shared_prefix_token_logps(model, mb["input_ids"], mb["attention_mask"], mb["prompt_lens"],
+                                            layout.group_size, **kw)
+        on = mb["response_mask"]  # the whole response span is scored: keep the model's tokens only (not an env's)
+        return lp * on, ent * on if ent is not None else None
     if layout.kind == "packed":
         ids, pos, rmask, where = _packed(batch, rows)
         lp, ent = token_logps(model, ids, position_ids=pos, target_mask=rmask, **kw)  # [1, S]

@@ -205,6 +205,9 @@ def _naive_reinforce_pp(r, m, gamma, group_size=None, baseline="none", eps=1e-6)
             G_ret[i][t] = sum(gamma ** (l - k) * r[i][idx[l]] for l in range(k, len(idx)))
     vals = [G_ret[i][t] for i in range(B) for t in range(T) if m[i][t]]
     mean = sum(vals) / len(vals)
+    if baseline == "group_mean":  # centred by the group baseline: scaled by the batch std only
+        std = statistics.stdev(vals)
+        return [[G_ret[i][t] / (std + eps) if m[i][t] else 0.0 for t in range(T)] for i in range(B)]
     std = statistics.stdev(vals)
     return [[(G_ret[i][t] - mean) / (std + eps) if m[i][t] else 0.0 for t in range(T)] for i in range(B)]
 
@@ -255,12 +258,24 @@ def test_reinforce_pp_penalties_come_after_the_baseline():
     # Equal outcomes (baseline takes them to 0): only the per-token penalties -beta*kl remain.
     # penalties [[-0.1, -0.3], [0, -0.2]], gamma 1 -> returns [[-0.4, -0.3], [-0.2, -0.2]]
     # masked mean -0.275; deviations [-0.125, -0.025, 0.075, 0.075]; var (0.015625 + 0.000625
-    # + 0.005625 * 2) / 3 = 0.0091667
+    # + 0.005625 * 2) / 3 = 0.0091667; the baseline variant scales without re-centring
     r = torch.tensor([[0.0, 1.0], [0.0, 1.0]])
     pen = torch.tensor([[-0.1, -0.3], [0.0, -0.2]])
     A = reinforce_pp_advantages(r, torch.ones(2, 2), group_size=2, baseline="group_mean", token_penalties=pen, eps=0.0)
     s = math.sqrt((0.015625 + 0.000625 + 2 * 0.005625) / 3)
-    torch.testing.assert_close(A, torch.tensor([[-0.125, -0.025], [0.075, 0.075]]) / s)
+    torch.testing.assert_close(A, torch.tensor([[-0.4, -0.3], [-0.2, -0.2]]) / s)
+
+
+def test_reinforce_pp_baseline_equal_group_stays_zero_beside_other_groups():
+    # group 0 all equal (1, 1); group 1 (0, 1) with different lengths, so the batch mean of the
+    # returns is not 0 (it would move group 0 off 0 if the batch were re-centred): gamma 0.9
+    r = torch.zeros(4, 3)
+    r[:, -1] = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    m = torch.ones(4, 3)
+    m[3, 0] = 0.0
+    A = reinforce_pp_advantages(r, m, gamma=0.9, group_size=2, baseline="group_mean")
+    assert torch.equal(A[:2], torch.zeros(2, 3))
+    assert (A[2, :] < 0).all() and (A[3, 1:] > 0).all()
 
 
 def test_reinforce_pp_empty_mask_and_errors():

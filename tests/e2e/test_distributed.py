@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -16,17 +15,10 @@ from ..conftest import REPO, run_cli
 from .test_cli_sft import FACTS, _args
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(args, env=None):
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(_free_port()), "-m", "relign", *args,
-    ]
+    # --standalone: torchrun picks a free port itself (a port probed free here could be taken
+    # by another process before torchrun binds it)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "relign", *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
@@ -40,7 +32,18 @@ def data(tmp_path):
 
 
 def _losses(run):
-    return [(r["step"], r["train/loss"]) for r in read_metrics(run) if "train/loss" in r]
+    """(step, (loss, grad norm)) per step: equal losses alone would not show a parameter group
+    whose gradient is lost (FSDP's root after a no-grad pass: see distributed.reshard)."""
+    return [(r["step"], (r["train/loss"], r["train/grad_norm"])) for r in read_metrics(run) if "train/loss" in r]
+
+
+def _assert_close(a, b):
+    """Only the order of float sums differs between the runs. The loss agrees to 1e-5; the
+    gradient norm to 1e-4 relative: AdamW's first steps move every weight by about lr whatever
+    the size of its gradient, so a near-zero gradient whose sign rounding flips gives weights
+    that differ by ~lr, and later gradients a little more than the losses do."""
+    assert a[0] == pytest.approx(b[0], abs=1e-5)
+    assert a[1] == pytest.approx(b[1], rel=1e-4)
 
 
 def test_two_ranks_match_one_and_resume_across_world_sizes(tiny_model_dir, data, tmp_path):
@@ -57,7 +60,7 @@ def test_two_ranks_match_one_and_resume_across_world_sizes(tiny_model_dir, data,
     a, b = _losses(single), _losses(multi)
     assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3, 4]
     for (_, la), (_, lb) in zip(a, b):
-        assert la == pytest.approx(lb, abs=1e-5)  # only the order of float sums differs
+        _assert_close(la, lb)
 
 
 @pytest.mark.parametrize("loss", ["dpo", "kto"])
@@ -75,4 +78,4 @@ def test_preference_two_ranks_match_one(tiny_model_dir, tmp_path, loss):
     a, b = _losses(single), _losses(multi)
     assert [s for s, _ in a] == [s for s, _ in b] == [1, 2]
     for (_, la), (_, lb) in zip(a, b):
-        assert la == pytest.approx(lb, abs=1e-5)
+        _assert_close(la, lb)
