@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	$(BIN)/python bench/sft_throughput.py
 	$(BIN)/python bench/grpo_step.py
+	$(BIN)/python bench/rl_packing.py
 	$(BIN)/python bench/dpo_throughput.py
 
 clean:

@@ -1,52 +1,55 @@
 """GRPO step time and peak memory: relign's RL recipe vs TRL's ``GRPOTrainer``, side by side.
 
-    python bench/grpo_step.py            # 2 libraries x 2 repeats x 10 steps (2 warmup), ~8-10 min on 2 cores
+    python bench/grpo_step.py            # 2 libraries x 2 repeats x 10 steps (2 warmup), ~10 min on 2 cores
     python bench/grpo_step.py --quick    # 2 libraries x 1 repeat x 4 steps (1 warmup), ~2 min, a smoke test
-    python bench/grpo_step.py --steps 12 --repeats 3
+    python bench/grpo_step.py --prompts-per-step 8 --max-new-tokens 64    # the earlier (2026-11-21) setup
 
 Both libraries run GRPO on the same tiny random Qwen2 model (``relign.models.tiny``, "small",
-~10M parameters, fp32, CPU, sdpa attention), in a fresh subprocess per run (so each run's peak
-RSS, VmHWM, is its own), with:
+10.4M parameters, fp32, CPU, sdpa attention), in a fresh subprocess per run (so each run's
+peak RSS, VmHWM, is its own), and both are driven through their public interfaces only:
+relign's ``rl.train(config)`` and its run directory (``metrics.jsonl`` with the recipe's own
+stage timers ``time/*``, ``rollouts/step_N.jsonl``); TRL's ``GRPOTrainer`` (its generation and
+reward phases are timed by overriding trainer methods, as a TRL user would). Settings:
 
   * the same prompts in the same order: 64 GSM8K questions (``gsm8k_train_512.jsonl``, field
     ``question``) as raw text (no chat template on either side; both tokenize with the
     tokenizer's defaults, checked equal). TRL's dataset is laid out in the order relign's
     ``StepSampler`` draws (same seed) and read with ``shuffle_dataset=False``; the prompt ids
     each step generates from are compared between the two sides.
-  * the same amount of generation: 8 prompts x G=8 completions per step, exactly
-    ``--max-new-tokens`` (64) tokens each: EOS is banned until then on both sides (relign
-    ``rollout.min_new_tokens=64``, TRL ``generation_kwargs={"min_new_tokens": 64}``; transformers'
+  * the same amount of generation: 4 prompts x G=8 completions per step, exactly
+    ``--max-new-tokens`` (128) tokens each: EOS is banned until then on both sides (relign
+    ``rollout.min_new_tokens``, TRL ``generation_kwargs={"min_new_tokens": ...}``; transformers'
     ``generate`` has no ``ignore_eos``). Every step's generated-token count is checked equal.
     Sampling: temperature 1, top_p 1, top_k off, no vLLM (plain transformers ``generate`` in TRL,
     relign's own KV-cache engine ``HFEngine``), KV cache on both.
   * the same objective: GRPO advantages (group mean, divided by the group std), PPO clip 0.2/0.2,
     k3 KL to a separate frozen reference model with beta 0.04 (TRL ``use_bias_correction_kl=False``,
-    the plain k3 term relign uses), loss aggregated per sequence then over sequences (TRL
-    ``loss_type="grpo"`` = relign ``algorithm.loss_agg=seq-mean-token-mean``; with every completion
-    64 tokens long all aggregations coincide anyway), one optimizer step per rollout (TRL
-    ``num_iterations=1``, ``steps_per_generation = gradient_accumulation_steps = 64 / 8``, so no
-    old-logp pass; relign ``ppo_epochs=1 mini_batches=1``), micro-batch 8 for every forward
-    (relign ``micro_batch_size=8``, TRL ``per_device_train_batch_size=8``; the reference pass too),
-    fused AdamW lr 1e-6 constant, weight decay 0, grad-norm clip 1.0, no gradient checkpointing.
+    the plain k3 term relign uses; relign ``algorithm.kl=loss``), loss aggregated per sequence then
+    over sequences (TRL ``loss_type="grpo"`` = relign ``algorithm.loss_agg=seq-mean-token-mean``;
+    with every completion equally long all aggregations coincide anyway), one optimizer step per
+    rollout (TRL ``num_iterations=1``, ``steps_per_generation = gradient_accumulation_steps``, so
+    no old-logp pass; relign ``ppo_epochs=1 mini_batches=1``), micro-batch 8 rows for every
+    forward (relign ``micro_batch_size=8 max_tokens_per_micro=0``, TRL
+    ``per_device_train_batch_size=8``; the reference pass too), fused AdamW lr 1e-6 constant,
+    weight decay 0, grad-norm clip 1.0, no gradient checkpointing.
   * the same reward: ``digit_fraction`` below (share of digit characters in the decoded
     completion), called in the training process (relign ``task.reward_workers=0``).
   * relign's defaults otherwise, including ``share_prompt=true`` (training and reference forwards
     run each group's prompt once, same log-probs and gradients; TRL runs the prompt in every row).
-    ``--relign-set share_prompt=false`` measures without it.
-  * no eval, no checkpoints, no logging beyond the defaults (relign: no progress bar, no
-    tensorboard, no traces; TRL: ``report_to="none"``, ``logging_steps`` > steps).
+    ``--relign-set share_prompt=false`` measures without it. relign writes its rollout traces
+    (the bench reads the prompts and lengths from them); TRL ``log_completions=False``.
 
 Timing, per optimizer step (= one rollout + one update on both sides):
-  step      wall time from the end of the previous step to the end of this one (relign: its
-            metrics log call; TRL: ``on_step_end``), so nothing is left out on either side.
-  rollout   relign: ``time/rollout_s`` (``RolloutCollector.collect``: engine.generate + decode +
+  step      wall time from the end of the previous step to the end of this one (relign: the
+            ``time`` of its metrics row; TRL: ``on_step_end``), so nothing is left out on either side.
+  rollout   relign: ``time/rollout_s + time/reward_s`` (the collector: engine.generate, decode,
             reward). TRL: ``_generate`` (tokenize prompts + ``model.generate`` + decode) +
             ``_calculate_rewards``.
-    generate  relign ``HFEngine.generate``; TRL ``_generate_single_turn`` (padding + ``generate``
-            + EOS masking). Prefill + decode of all 64 completions.
-  train     step - rollout: batch building, reference log-probs, advantages, 8 micro-batch
+    generate  relign ``time/rollout_s`` (the collector without its reward part); TRL
+            ``_generate_single_turn`` (padding + ``generate`` + EOS masking). Prefill + decode.
+  train     step - rollout: batch building, reference log-probs, advantages, the micro-batch
             forward/backward passes, grad clip, optimizer step, metrics (and TRL's dataloader).
-    ref     reference-model log-probs (relign ``_score_all`` over the ref model; TRL the no-grad
+    ref     reference-model log-probs (relign ``time/reference_s``; TRL the no-grad
             ``_get_per_token_logps_and_entropies`` calls).
 The first ``--warmup`` steps are not timed. Every run is repeated ``--repeats`` times
 (interleaved, alternating which library goes first); each timed step counts with its fastest
@@ -143,60 +146,20 @@ class _Timers:
 
 
 def worker_relign(a: argparse.Namespace) -> dict:
+    """relign through its public interface only: ``rl.train`` on a config, then its run directory
+    (metrics.jsonl with the recipe's stage timers time/*, rollouts/step_N.jsonl traces)."""
     import torch
 
     if a.threads:
         torch.set_num_threads(a.threads)
     import relign.recipes.rl as rl
     from relign.config import load_config
-    from relign.envs.rewards import RewardPool
-    from relign.rollout.hf_engine import HFEngine
+    from relign.tracking import read_metrics
+    from transformers import AutoTokenizer
 
     rss_after_imports = _proc_status_mb("VmRSS")
-    T = _Timers()
-    opt_box: list = []
-
-    orig_generate = HFEngine.generate
-
-    def generate(self, prompts, params):
-        t0 = time.perf_counter()
-        out = orig_generate(self, prompts, params)
-        T.add("generate", time.perf_counter() - t0)
-        T.info["prompts_digest"] = _digest([list(p) for p in prompts])
-        T.info["n_prompts"] = len(prompts)
-        T.info["n_completions"] = sum(len(g) for g in out)
-        T.info["gen_tokens"] = sum(len(c.token_ids) for g in out for c in g)
-        return out
-
-    HFEngine.generate = generate
-    T.wrap(RewardPool, "score", "reward")
-    orig_score_all = rl._score_all
-
-    def score_all(fn, batch, micro):  # only the reference pass runs here (kl_coef > 0, 1 update: no old logps)
-        t0 = time.perf_counter()
-        out = orig_score_all(fn, batch, micro)
-        T.add("ref", time.perf_counter() - t0)
-        return out
-
-    rl._score_all = score_all
-    orig_build_opt = rl.build_optimizer
-
-    def build_optimizer(*args, **kwargs):
-        opt = orig_build_opt(*args, **kwargs)
-        opt_box.append(opt)
-        return opt
-
-    rl.build_optimizer = build_optimizer
-
-    class StepTracker(rl.Tracker):
-        def log(self, step, metrics, *, advance=True):
-            if "time/rollout_s" in metrics:
-                T.step_end(rollout=metrics["time/rollout_s"], relign_train_s=metrics["time/train_s"],
-                           relign_sync_s=metrics["time/sync_s"], response_length_mean=metrics["response/length_mean"])
-            return super().log(step, metrics, advance=advance)
-
-    rl.Tracker = StepTracker
     run_dir = tempfile.mkdtemp(prefix="relign-grpo-bench-")
+    n_completions = a.prompts_per_step * a.group
     overrides = [
         f"model.path={a.model}", "model.dtype=fp32", "model.attn_implementation=sdpa",
         "task.name=custom", f"task.path={a.prompts}", f"task.reward_fn={THIS}:relign_reward", "task.chat=false",
@@ -205,26 +168,42 @@ def worker_relign(a: argparse.Namespace) -> dict:
         "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0",
         "algorithm.advantage=grpo", "algorithm.scale_rewards=std", "algorithm.loss_agg=seq-mean-token-mean",
         "algorithm.policy_loss=ppo_clip", "algorithm.clip_low=0.2", "algorithm.clip_high=0.2",
-        f"algorithm.kl_coef={a.beta}", "algorithm.kl_estimator=k3", "algorithm.ppo_epochs=1", "algorithm.mini_batches=1",
+        f"algorithm.kl={'loss' if a.beta > 0 else 'none'}", f"algorithm.kl_coef={a.beta}", "algorithm.kl_estimator=k3",
+        "algorithm.ppo_epochs=1", "algorithm.mini_batches=1",
         f"optim.lr={a.lr}", "optim.schedule=constant", "optim.weight_decay=0.0", "optim.warmup_steps=0",
         "optim.warmup_ratio=0.0", "optim.max_grad_norm=1.0",
-        f"prompts_per_step={a.prompts_per_step}", f"micro_batch_size={a.micro_batch_size}", f"max_steps={a.steps}",
-        f"seed={a.seed}", "device=cpu", "traces_per_step=0",
+        f"prompts_per_step={a.prompts_per_step}", f"micro_batch_size={a.micro_batch_size}", "max_tokens_per_micro=0",
+        f"max_steps={a.steps}", f"seed={a.seed}", "device=cpu", f"traces_per_step={n_completions}",
         "logging.progress=false", "logging.tensorboard=false", "checkpoint.save_final=false", "checkpoint.save_every=0",
         f"run_dir={run_dir}",
         *a.relign_set,
     ]
+    tok = AutoTokenizer.from_pretrained(a.model)
     try:
         cfg = load_config(rl.Config, None, overrides)
-        t0 = time.perf_counter()
+        u0, t0 = _usage(), time.perf_counter()
         result = rl.train(cfg)
-        total = time.perf_counter() - t0
+        u1, total = _usage(), time.perf_counter() - t0
+        other_load = ((u1[3] - u0[3]) - (u1[0] - u0[0])) / max(total, 1e-9)  # per step needs hooks; per run does not
+        rows = []
+        for m in read_metrics(run_dir):
+            if "time/step_s" not in m:
+                continue
+            traces = [json.loads(x) for x in open(os.path.join(run_dir, "rollouts", f"step_{m['step']}.jsonl"))]
+            prompts = list(dict.fromkeys(t["prompt"] for t in traces))  # groups in draw order
+            rows.append({
+                "end_time": m["time"], "usage": None, "other_load_cores": other_load,
+                "rollout": m["time/rollout_s"] + m["time/reward_s"], "reward": m["time/reward_s"],
+                "generate": m["time/rollout_s"], "ref": m["time/reference_s"], "relign_update_s": m["time/update_s"],
+                "relign_step_s": m["time/step_s"], "relign_stage_seconds": {k: v for k, v in m.items() if k.startswith("time/")},
+                "prompts_digest": _digest([tok(p, add_special_tokens=True)["input_ids"] for p in prompts]),
+                "n_prompts": len(prompts), "n_completions": len(traces), "gen_tokens": sum(t["length"] for t in traces),
+            })
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    opt = opt_box[0] if opt_box else None
     return {
         "library": "relign",
-        "rows": T.rows,
+        "rows": rows,
         "train_call_seconds": total,
         "rss_after_imports_mb": rss_after_imports,
         "final_metrics": {k: v for k, v in result.metrics.items() if isinstance(v, (int, float, str))},
@@ -235,10 +214,6 @@ def worker_relign(a: argparse.Namespace) -> dict:
                 .replace(str(THIS), "bench/grpo_step.py").replace(run_dir, "<run_dir>")
                 for o in overrides
             ],
-            "optimizer": type(opt).__name__ if opt else None,
-            "optimizer_defaults": {k: (list(v) if isinstance(v, tuple) else v) for k, v in (opt.defaults.items() if opt else [])
-                                   if k in ("lr", "betas", "eps", "fused", "foreach")},
-            "group_weight_decay": sorted({g["weight_decay"] for g in opt.param_groups}) if opt else None,
         },
     }
 
@@ -410,9 +385,10 @@ def run_worker(a: argparse.Namespace) -> None:
         r, p = rows[k], rows[k - 1]
         r["step"] = r["end_time"] - p["end_time"]
         r["train"] = r["step"] - r["rollout"]
-        cpu = r["usage"][0] - p["usage"][0]
-        r["other_load_cores"] = ((r["usage"][3] - p["usage"][3]) - cpu) / max(r["step"], 1e-9)
-        r["cpu_seconds"] = cpu
+        if r["usage"] is not None:
+            cpu = r["usage"][0] - p["usage"][0]
+            r["other_load_cores"] = ((r["usage"][3] - p["usage"][3]) - cpu) / max(r["step"], 1e-9)
+            r["cpu_seconds"] = cpu
     with open(a.result, "w") as f:
         json.dump(res, f)
 
@@ -533,9 +509,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=2, help="runs per library, interleaved; each step's fastest repeat counts (default 2)")
     p.add_argument("--quick", action="store_true", help="smoke test: 4 steps (1 warmup), 1 repeat")
     p.add_argument("--n-prompts", type=int, default=64, help="GSM8K questions in the prompt set (default 64)")
-    p.add_argument("--prompts-per-step", type=int, default=8)
+    p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--group", type=int, default=8, help="completions per prompt G (default 8)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per completion, exactly (default 64)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per completion, exactly (default 128)")
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--beta", type=float, default=0.04, help="KL coefficient (a reference model is loaded when > 0)")
@@ -625,7 +601,7 @@ def main(argv: list[str] | None = None) -> None:
         "train_time_ratio_relign_over_trl": mr["train"] / mt["train"],
         "ref_time_ratio_relign_over_trl": mr["ref"] / mt["ref"] if mt["ref"] else None,
         "peak_rss_ratio_relign_over_trl": r["peak_rss_mb"] / t["peak_rss_mb"],
-        "targets": {"step_speedup": ">= 2", "peak_rss_ratio": "<= 1"},
+        "targets": {"step_speedup": ">= 3", "peak_rss_ratio": "<= 0.7"},
     }
 
     out = {
@@ -651,18 +627,18 @@ def main(argv: list[str] | None = None) -> None:
             "updates_per_rollout": 1, "reward": "digit_fraction(completion), in-process on both sides",
             "relign_extra_overrides": a.relign_set,
             "known_algorithmic_differences": [
-                "relign prefills each prompt once and repeats its KV cache G times; TRL's generate prefills all 64 rows",
+                "relign prefills each prompt once and repeats its KV cache G times; TRL's generate prefills every row",
                 "relign's training/reference forwards run each group's prompt once (share_prompt=true, its default; "
                 "same log-probs and gradients); TRL runs every row's full prompt",
             ],
             "seed": a.seed, "dtype": "fp32", "device": "cpu", "attn_implementation": "sdpa",
             "phase_definitions": {
                 "step": "end of previous step to end of this step (relign metrics log / TRL on_step_end)",
-                "rollout": "relign time/rollout_s (RolloutCollector.collect); TRL _generate + _calculate_rewards",
-                "generate": "relign HFEngine.generate; TRL _generate_single_turn (pad + model.generate + EOS mask)",
-                "reward": "relign RewardPool.score (workers=0); TRL _calculate_rewards",
+                "rollout": "relign time/rollout_s + time/reward_s; TRL _generate + _calculate_rewards",
+                "generate": "relign time/rollout_s; TRL _generate_single_turn (pad + model.generate + EOS mask)",
+                "reward": "relign time/reward_s (workers=0); TRL _calculate_rewards",
                 "train": "step - rollout (batch build, ref logps, advantages, fwd/bwd, clip, optimizer, metrics)",
-                "ref": "reference-model log-probs, micro-batches of micro_batch_size",
+                "ref": "reference-model log-probs (relign time/reference_s), micro-batches of micro_batch_size",
             },
             "aggregation": "per timed step the fastest repeat (all its phases); median over timed steps",
             "peak_rss_definition": "VmHWM of the worker process (imports, model + reference load, training); max over repeats",
@@ -706,8 +682,8 @@ def main(argv: list[str] | None = None) -> None:
     lines.append("")
     lines.append(
         f"end-to-end step speedup relign vs TRL: {ratios['step_speedup_trl_over_relign']:.2f}x (median of medians), "
-        f"{ratios['median_paired_step_speedup_trl_over_relign']:.2f}x (median paired step); target >= 2x. "
-        f"Peak RSS ratio {ratios['peak_rss_ratio_relign_over_trl']:.2f} (target <= 1)."
+        f"{ratios['median_paired_step_speedup_trl_over_relign']:.2f}x (median paired step); target >= 3x. "
+        f"Peak RSS ratio {ratios['peak_rss_ratio_relign_over_trl']:.2f} (target <= 0.7)."
     )
     lines.append(
         f"checks: same prompt ids={checks['same_prompt_ids_tokenization']}, same prompts every step={checks['same_prompts_every_step']}, "

@@ -157,7 +157,6 @@ def evaluate(model, tokenizer, task, records, *, n=1, ks=(1,), temperature=0.0, 
 
     from .envs.rewards import RewardPool
     from .rollout.engine import SamplingParams
-    from .rollout.hf_engine import HFEngine
 
     if n < 1 or batch_prompts < 1:
         raise ValueError(f"evaluate needs n >= 1 and batch_prompts >= 1, got n={n}, batch_prompts={batch_prompts}")
@@ -184,7 +183,10 @@ def evaluate(model, tokenizer, task, records, *, n=1, ks=(1,), temperature=0.0, 
     if not problems:
         raise ValueError(f"nothing to evaluate: {len(records)} records, {skipped_long} longer than {max_prompt_length} tokens")
 
-    engine = engine if engine is not None else HFEngine(model, tokenizer, max_batch_rows=max_batch_rows, seed=seed)
+    if engine is None:
+        from .recipes.build import engine_for
+
+        engine = engine_for("hf", model, tokenizer, max_batch_rows=max_batch_rows, seed=seed)
     own_pool = pool is None
     pool = pool if pool is not None else RewardPool.from_task(task, num_workers=reward_workers, timeout=reward_timeout)
     stats0 = dict(pool.stats)

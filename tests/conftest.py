@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -53,3 +54,17 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None, check:
     if check and proc.returncode != 0:
         raise AssertionError(f"relign {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}")
     return proc
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run with ``n`` torch threads. Two cores shared with other jobs: OpenMP workers spinning on
+    busy cores make a micro model's small matmuls far slower than one thread."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

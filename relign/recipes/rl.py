@@ -396,10 +396,7 @@ def train(cfg: Config) -> RunResult:
                 _skip_step(run, cfg, step, skipped_steps, clock)
                 continue
             run.engine.sleep()
-            batch = build_batch([e for g in groups for e in g.episodes], run.tok.pad_token_id, device, ro.n)
-            if a.overlong == "mask":
-                truncated = torch.tensor([e.finish_reason != "stop" for g in groups for e in g.episodes], device=device)
-                batch.response_mask = shaping.truncation_loss_mask(truncated, batch.response_mask)
+            batch = _batch(run, a, groups, device)
             micro = plan(batch, torch.arange(batch.size, device=device), run.layout)
             with clock("reference"):  # 2.
                 ref_logps = _reference_logps(run, batch, micro, ro.temperature) if a.kl != "none" else None
@@ -407,13 +404,8 @@ def train(cfg: Config) -> RunResult:
                 old_logps = score_logps(run.policy, batch, micro, run.layout, temperature=ro.temperature) if reuse else None
             with clock("values"):  # 4.
                 values = score_values(run.critic, batch, micro, run.layout) if run.critic is not None else None
-            kl_tok = kl_estimate(old_logps, ref_logps, a.kl_estimator) if a.kl == "reward" else None
-            if a.advantage == "gdpo":
-                check_terms(groups, _term_weight(run, a))
-            rewards = shaped_rewards(groups, batch, term_weight=_term_weight(run, a), overlong=a.overlong,
-                                     max_len=run.collector.max_response_tokens, overlong_cache=a.overlong_cache,
-                                     overlong_factor=a.overlong_factor, kl_tok=kl_tok, kl_coef=a.kl_coef)
-            advantages, returns = run.estimator.fn(rewards, batch.response_mask, values, run.options)  # 5.
+            rewards = _rewards(run, a, groups, batch, old_logps, ref_logps)  # 5.
+            advantages, returns = run.estimator.fn(rewards, batch.response_mask, values, run.options)
             with clock("update"):  # 6.
                 stats, skipped = _update(run, cfg, step, batch, advantages, returns, old_logps, ref_logps, values)
             bad_in_a_row = bad_in_a_row + skipped if skipped else 0
@@ -455,8 +447,25 @@ def _reference_logps(run: _Run, batch, micro, temperature: float) -> torch.Tenso
         return score_logps(run.policy, batch, micro, run.layout, temperature=temperature)
 
 
-def _term_weight(run: _Run, a: AlgorithmConfig) -> Callable[[str], float]:
-    return lambda k: a.gdpo_weights.get(k, run.collector.term_weight(k))
+def _batch(run: _Run, a: AlgorithmConfig, groups, device) -> RolloutBatch:
+    batch = build_batch([e for g in groups for e in g.episodes], run.tok.pad_token_id, device, run.options.group_size)
+    if a.overlong == "mask":  # DAPO's overlong filtering: truncated completions leave the loss
+        truncated = torch.tensor([e.finish_reason != "stop" for g in groups for e in g.episodes], device=device)
+        batch.response_mask = shaping.truncation_loss_mask(truncated, batch.response_mask)
+    return batch
+
+
+def _rewards(run: _Run, a: AlgorithmConfig, groups, batch, old_logps, ref_logps) -> Rewards:
+    """The step's rewards with their shaping: overlong penalty, and the KL when it is in the reward."""
+    def term_weight(k: str) -> float:
+        return a.gdpo_weights.get(k, run.collector.term_weight(k))
+
+    if a.advantage == "gdpo":
+        check_terms(groups, term_weight)
+    kl_tok = kl_estimate(old_logps, ref_logps, a.kl_estimator) if a.kl == "reward" else None
+    return shaped_rewards(groups, batch, term_weight=term_weight, overlong=a.overlong,
+                          max_len=run.collector.max_response_tokens, overlong_cache=a.overlong_cache,
+                          overlong_factor=a.overlong_factor, kl_tok=kl_tok, kl_coef=a.kl_coef)
 
 
 def _mini_batches(n_groups: int, G: int, mini_batches: int, generator: torch.Generator, device) -> list[torch.Tensor]:

@@ -28,6 +28,8 @@ from relign.recipes.rl_update import (
 from relign.rollout.batch import build_batch
 from relign.rollout.multiturn import Episode
 
+from ..conftest import torch_threads
+
 G = 4
 TOL = 1e-5
 ENV_ROW = 6  # the multi-turn row: environment tokens in the middle of its response
@@ -35,11 +37,8 @@ ENV_ROW = 6  # the multi-turn row: environment tokens in the middle of its respo
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    # two cores shared with other jobs: one thread keeps the micro model fast and deterministic
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

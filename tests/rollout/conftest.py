@@ -12,15 +12,13 @@ import copy
 import pytest
 import torch
 
+from ..conftest import torch_threads
+
 
 @pytest.fixture(autouse=True, scope="package")
 def _one_thread():
-    # Two cores shared with other jobs: OpenMP workers spinning on busy cores make a micro
-    # model's decode steps ~100x slower than one thread.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="session")
