@@ -486,7 +486,8 @@ def _summarize(reps: list[dict], warmup: int) -> dict:
         "median_seconds": med,
         "mean_seconds": mean,
         "kept_steps": [{k: r.get(k) for k in (*PHASES, "generate_and_score", "gen_tokens", "n_prompts", "n_completions",
-                                              "prompts_digest", "other_load_cores", "cpu_seconds")} for r in kept],
+                                              "prompts_digest", "other_load_cores", "cpu_seconds", "relign_stage_seconds")}
+                       for r in kept],
         "other_load_cores": sum(r["other_load_cores"] * r["step"] for r in kept) / sum(r["step"] for r in kept),
         "gen_tokens_per_step": [r["gen_tokens"] for r in reps[0]["rows"]],
         "prompts_digests": [r["prompts_digest"] for r in reps[0]["rows"]],

@@ -70,8 +70,9 @@ def plan(batch: RolloutBatch, rows: torch.Tensor, layout: Layout) -> list[MicroB
     G = layout.group_size if layout.kind == "shared" else 1
     items = rows.view(-1, G)  # [n_items, G]
     seq = batch.seq_lens[items]  # [n_items, G]
-    # tokens as computed: a shared prompt counts once per group
-    sizes = (seq.sum(-1) - (G - 1) * batch.prompt_lens[items[:, 0]]).tolist()
+    # positions as computed: a shared prompt once, and its G responses padded to the longest
+    prompt = batch.prompt_lens[items[:, 0]]  # [n_items]
+    sizes = (prompt + G * (seq - prompt.unsqueeze(-1)).amax(-1)).tolist() if G > 1 else seq[:, 0].tolist()
     max_items = max(1, layout.max_rows // G) if layout.max_rows else 0
     mine = micro_batch_plan(sizes, ranks=distributed.world_size(), max_tokens=layout.max_tokens, max_items=max_items)
     mine = mine[distributed.rank()]
