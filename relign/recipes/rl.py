@@ -222,7 +222,7 @@ class Config:
     prompts_per_step: int = 8
     """Prompts per step over all ranks; the batch holds prompts_per_step x rollout.n completions."""
     max_tokens_per_micro: int = 4096
-    """Token budget of one forward/backward pass on one rank (prompt + response tokens as computed; 0 = no limit)."""
+    """Token budget of one forward/backward pass on one rank: prompt + response tokens (a shared prompt once, its G responses at the group's longest; 0 = no limit)."""
     micro_batch_size: int = 0
     """Most sequences in one forward/backward pass (0 = no limit: max_tokens_per_micro decides)."""
     share_prompt: bool = True
