@@ -40,9 +40,6 @@ from ..models.logprobs import shared_prefix_token_logps, token_logps
 from ..optim import clip_gradients
 from ..rollout.batch import RolloutBatch
 
-LAYOUTS = ("shared", "padded", "packed")
-
-
 # --------------------------------------------------------------------------- micro-batches
 
 
