@@ -253,7 +253,7 @@ def update_policy(policy, optimizer, scheduler, params, batch: RolloutBatch, min
                 scheduler.step()
             continue
         normalizer = aggregate_count(mask[b_rows], loss_fn.agg, max_len=loss_fn.max_len)
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=mask.device)  # stays on device: no sync per micro-batch
         for m in plan(batch, b_rows, layout):
             mb_rows = m.rows
             mb_mask = mask[mb_rows]  # [n, L]
@@ -265,7 +265,7 @@ def update_policy(policy, optimizer, scheduler, params, batch: RolloutBatch, min
                                      tis=tis[mb_rows] if tis is not None else None)
             loss = aggregate(loss_tok, mb_mask, loss_fn.agg, normalizer, max_len=loss_fn.max_len) * m.weight
             (loss * world).backward()  # FSDP averages gradients over ranks: make it their sum
-            loss_sum += loss.detach().double().cpu()
+            loss_sum += loss.detach().double()
             stats.add_masked("actor/entropy", ent.detach(), mb_mask, m.weight)
             stats.add_masked("actor/clip_frac", info["clipped"], mb_mask, m.weight)
             if "kl" in info:
@@ -287,13 +287,13 @@ def update_critic(critic, optimizer, params, batch: RolloutBatch, mini_batches: 
         if len(b_rows) == 0:
             continue
         normalizer = aggregate_count(mask[b_rows], "token-mean")
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=mask.device)  # stays on device: no sync per micro-batch
         for m in plan(batch, b_rows, layout):
             v = forward_values(critic, batch, m.rows, layout)
             vl = value_loss(v, old_values[m.rows], returns[m.rows], clip=value_clip or None)
             loss = aggregate(vl, mask[m.rows], "token-mean", normalizer) * m.weight
             (loss * world).backward()
-            loss_sum += loss.detach().double().cpu()
+            loss_sum += loss.detach().double()
         loss_total = float(distributed.all_reduce_sum(loss_sum))
         stats.add("critic/value_loss", loss_total)
         _step(optimizer, None, params, max_grad_norm, math.isfinite(loss_total), stats, "critic")
