@@ -416,6 +416,7 @@ def _check_setup(model_dir: str, prompts_path: str, a: argparse.Namespace) -> di
 
     from relign.data.collate import StepSampler
     from relign.envs.base import get_task
+    from relign.envs.tasks import render_prompt
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     sampler = StepSampler(sum(1 for _ in open(prompts_path)), a.prompts_per_step, seed=a.seed)
@@ -426,7 +427,7 @@ def _check_setup(model_dir: str, prompts_path: str, a: argparse.Namespace) -> di
     task = get_task("custom", data_path=prompts_path, reward_fn_spec=f"{THIS}:relign_reward", chat=False, system_prompt=None)
     recs = task.load(prompts_path)
     raw = [json.loads(line)["prompt"] for line in open(prompts_path)]
-    relign_ids = [tok(r["prompt"], add_special_tokens=True)["input_ids"] for r in recs]  # as RolloutCollector (chat=false)
+    relign_ids = [render_prompt(tok, r)[1] for r in recs]  # as RolloutCollector renders them
     trl_ids = tok(text=raw)["input_ids"]  # as GRPOTrainer._tokenize_prompts for plain-text prompts
     lens = [len(x) for x in relign_ids]
     per_step = [_digest([relign_ids[i] for i in mine[k * a.prompts_per_step:(k + 1) * a.prompts_per_step]]) for k in range(a.steps)]

@@ -7,8 +7,11 @@
     per problem:   c = correct samples of n;  pass@k(n, c, k);  majority answer of the first k
     average over problems
 
-``relign eval CONFIG`` is the recipe (``Config``, ``train``); ``evaluate(...)`` is the loop on a
-model already in memory, which RL (``eval.every``, ``PeriodicEval``) and the demo call.
+``evaluate(...)`` is the loop on a model already in memory, which ``relign eval``
+(``relign.recipes.eval``), RL (``eval.every``: ``PeriodicEval``, here) and the demo call.
+Prompts are rendered by ``relign.envs.tasks.render_prompt``, the renderer RL's collector
+uses; the votes are ``relign.strategies.voting``'s; tasks come from
+``relign.envs.tasks.build_task``.
 
 Metric definitions (docs/eval.md):
 
@@ -26,17 +29,21 @@ from __future__ import annotations
 
 import json
 import logging
-import operator
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, LoggingConfig, ModelConfig, make_run_dir, save_resolved_config
-from .rollout.collect import problem_text
-from .recipes import RunResult
+from tqdm.auto import tqdm
+
+from .config import ConfigError
+from .envs.rewards import RewardPool
+from .envs.tasks import build_task, encode_problems
+from .rollout.engine import SamplingParams
+from .strategies.base import Problem
+from .strategies.voting import maj_at_k, majority, vote
 
 log = logging.getLogger(__name__)
 
@@ -64,57 +71,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - miss
 
 
-def vote(answers: Sequence[str | None], equal: Callable[[str, str], bool] = operator.eq) -> list[list[int]]:
-    """Group samples by answer: clusters of sample indices, in the order each answer first appears.
-
-    A sample without an answer (None) does not vote. A new answer joins the first cluster whose
-    first answer it equals (``equal(first, new)``), so an equivalence that is not transitive
-    still gives a well-defined grouping.
-    """
-    clusters: list[list[int]] = []
-    for i, a in enumerate(answers):
-        if a is None:
-            continue
-        for cluster in clusters:
-            if equal(answers[cluster[0]], a):
-                cluster.append(i)
-                break
-        else:
-            clusters.append([i])
-    return clusters
-
-
-def majority(clusters: list[list[int]]) -> list[int] | None:
-    """The largest cluster; a tie goes to the answer seen first (``max`` keeps the first maximum)."""
-    return max(clusters, key=len) if clusters else None
-
-
-def maj_at_k(
-    answers: Sequence[str | None], correct: Sequence[bool], k: int, equal: Callable[[str, str], bool] = operator.eq
-) -> float:
-    """maj@k of one problem: 1.0 if the majority answer among the first ``k`` samples is correct.
-
-    The majority answer is correct when the first sample that gave it is (all samples of a
-    cluster give the same answer). No sample with an answer: 0.
-    """
-    if not 1 <= k <= len(answers) or len(correct) != len(answers):
-        raise ValueError(f"maj@k needs 1 <= k <= len(answers) and one correctness per answer, got k={k}, "
-                         f"{len(answers)} answers, {len(correct)} correctness values")
-    winner = majority(vote(answers[:k], equal))
-    return float(bool(correct[winner[0]])) if winner else 0.0
-
-
 # --------------------------------------------------------------------------- the loop
-
-
-def encode_prompt(tokenizer, record: dict) -> tuple[str, list[int]]:
-    """(text, token ids) of a task record's prompt, rendered as the RL collector does: a chat
-    through the tokenizer's chat template (which holds its own special tokens), a raw prompt
-    as it is (plus the tokenizer's BOS, if it adds one)."""
-    if "messages" in record:
-        text = tokenizer.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True)
-        return text, tokenizer(text, add_special_tokens=False)["input_ids"]
-    return record["prompt"], tokenizer(record["prompt"])["input_ids"]
 
 
 def _guard(fn: Callable[..., Any], default: Any, counter: dict[str, int], key: str) -> Callable[..., Any]:
@@ -153,11 +110,6 @@ def evaluate(model, tokenizer, task, records, *, n=1, ks=(1,), temperature=0.0, 
     ``num_problems``, ``num_samples``, plus ``answered_frac``, ``reward_errors``,
     ``reward_timeouts``, ``skipped_long``. Rows: one per sample, schema in docs/eval.md.
     """
-    from tqdm.auto import tqdm
-
-    from .envs.rewards import RewardPool
-    from .rollout.engine import SamplingParams
-
     if n < 1 or batch_prompts < 1:
         raise ValueError(f"evaluate needs n >= 1 and batch_prompts >= 1, got n={n}, batch_prompts={batch_prompts}")
     if temperature <= 0 and n > 1:
@@ -169,17 +121,8 @@ def evaluate(model, tokenizer, task, records, *, n=1, ks=(1,), temperature=0.0, 
     extract = _guard(task.extract_answer, None, errors, "extract")
     equal = _guard(task.answers_equal, False, errors, "equal")
 
-    # Render and tokenize every prompt once; too-long prompts are skipped and counted.
-    problems: list[tuple[int, str, list[int], dict, str]] = []  # (record index, text, ids, extra_info, question)
-    skipped_long = 0
-    for i, rec in enumerate(records):
-        if "messages" not in rec and "prompt" not in rec:
-            raise ValueError(f"record {i}: needs 'prompt' or 'messages' (as Task.load returns), got keys {sorted(rec)}")
-        text, ids = encode_prompt(tokenizer, rec)
-        if max_prompt_length and len(ids) > max_prompt_length:
-            skipped_long += 1
-            continue
-        problems.append((i, text, ids, rec.get("extra_info", {}), problem_text(rec)))
+    # Render and tokenize every prompt once (as RL does); too-long prompts are skipped and counted.
+    problems, skipped_long = encode_problems(tokenizer, records, max_prompt_length=max_prompt_length)
     if not problems:
         raise ValueError(f"nothing to evaluate: {len(records)} records, {skipped_long} longer than {max_prompt_length} tokens")
 
@@ -199,12 +142,12 @@ def evaluate(model, tokenizer, task, records, *, n=1, ks=(1,), temperature=0.0, 
             chunk = problems[start : start + batch_prompts]
             params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                                     stop=list(stop), seed=seed + b)
-            outs = engine.generate([p[2] for p in chunk], params)
+            outs = engine.generate([p.prompt_ids for p in chunk], params)
             flat = [(p, c) for p, cs in zip(chunk, outs) for c in cs]
-            results = pool.score([p[1] for p, _ in flat], [c.text for _, c in flat], [p[3] for p, _ in flat])
+            results = pool.score([p.prompt_text for p, _ in flat], [c.text for _, c in flat], [p.extra_info for p, _ in flat])
             for q, (p, completions) in enumerate(zip(chunk, outs)):
                 scored = results[q * n : (q + 1) * n]
-                problem_rows = [_sample_row(p, j, c, r, extract(c.text, p[3]) if voting else None, correct_threshold)
+                problem_rows = [_sample_row(p, j, c, r, extract(c.text, p.extra_info) if voting else None, correct_threshold)
                                 for j, (c, r) in enumerate(zip(completions, scored))]
                 per_problem.append(_problem_metrics(problem_rows, ks, equal if voting else None))
                 rows.extend(problem_rows)
@@ -245,13 +188,13 @@ def _mean(values: Sequence[float]) -> float:
     return float(sum(values)) / len(values) if values else 0.0
 
 
-def _sample_row(problem: tuple, j: int, completion, result, answer: str | None, threshold: float) -> dict[str, Any]:
-    index, text, _, extra_info, question = problem
+def _sample_row(problem: Problem, j: int, completion, result, answer: str | None, threshold: float) -> dict[str, Any]:
     return {
-        "problem": index, "sample": j, "prompt": text, "question": question, "response": completion.text, "extracted": answer,
+        "problem": problem.id, "sample": j, "prompt": problem.prompt_text, "question": problem.question,
+        "response": completion.text, "extracted": answer,
         "reward": result.reward, "score": result.score, "correct": result.score >= threshold,
         "components": dict(result.components), "reward_error": result.error,
-        "finish_reason": completion.finish_reason, "length": len(completion.token_ids), "extra_info": extra_info,
+        "finish_reason": completion.finish_reason, "length": len(completion.token_ids), "extra_info": problem.extra_info,
         # the problem's vote (filled in by _problem_metrics when the task has an answer extractor)
         "vote": None, "votes": None, "majority": None, "majority_correct": None,
     }
@@ -282,42 +225,7 @@ def _problem_metrics(rows: list[dict], ks: list[int], equal: Callable[[str, str]
     return out
 
 
-# --------------------------------------------------------------------------- building the task
-
-
-def make_task(name: str, *, path: str = "", reward_fn: str = "", chat: bool = True, system_prompt: str = "",
-              format_weight: float = 0.0, extract_fn: str = "", equal_fn: str = "", single_turn: bool = True):
-    """The task as ``relign rl`` builds it (``reward_fn`` replaces a built-in task's reward; a
-    custom task needs ``path`` and ``reward_fn``), with optional answer extractor / equivalence
-    overrides for maj@k. ``single_turn`` refuses a task that runs in a multi-turn environment
-    (evaluation samples single completions). Problems a user can fix raise ``ConfigError``."""
-    from .envs.base import get_task, load_function
-
-    opts: dict[str, Any] = {"chat": chat, "system_prompt": system_prompt or None}
-    if reward_fn and ":" not in reward_fn:
-        reward_fn += ":reward"  # 'my_reward.py' means its function named reward, as in relign rl
-    try:
-        if name == "custom":
-            if not (path and reward_fn):
-                raise ConfigError("task.name=custom needs the problems' path and task.reward_fn ('file.py:function')")
-            task = get_task("custom", data_path=path, reward_fn_spec=reward_fn, **opts)
-        else:
-            task = get_task(name, format_weight=format_weight, **opts)
-            if reward_fn:
-                load_function(reward_fn)  # fail now, not in a worker
-                task = replace(task, reward_spec=reward_fn, reward_kwargs={}, term_weights={})
-        for spec in (extract_fn, equal_fn):
-            if spec:
-                load_function(spec)
-        if extract_fn:
-            task = replace(task, extract_spec=extract_fn)
-        if equal_fn:
-            task = replace(task, equal_spec=equal_fn)
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        raise ConfigError(f"task: {e}") from None
-    if single_turn and task.env:
-        raise ConfigError(f"task.name={name} is a multi-turn environment ({task.env}); evaluation covers single-turn tasks")
-    return task
+# --------------------------------------------------------------------------- writing results
 
 
 def write_samples(path: str | Path, rows: list[dict]) -> None:
@@ -391,12 +299,10 @@ class PeriodicEval:
     def __init__(self, cfg: EvalDuringTrainingConfig, tokenizer, run_dir: str | Path, *, task: str, chat: bool,
                  system_prompt: str, format_weight: float, reward_fn: str, reward_workers: int, reward_timeout: float,
                  max_prompt_length: int, max_new_tokens: int, stop: Sequence[str] = (), env: str = "", seed: int = 0):
-        from .envs.rewards import RewardPool
-
         check_eval_during_training(cfg, task=task, env=env)
         self.cfg, self.tok, self.run_dir, self.seed = cfg, tokenizer, Path(run_dir), seed
-        self.task = make_task(task, path=cfg.path, reward_fn=reward_fn, chat=chat, system_prompt=system_prompt,
-                              format_weight=format_weight)
+        self.task = build_task(task, path=cfg.path, reward_fn=reward_fn, chat=chat, system_prompt=system_prompt,
+                               format_weight=format_weight)
         # custom tasks read cfg.path as their default; built-in ones their shipped test set
         self.records = self.task.load(cfg.path or None, cfg.split or None, max_rows=cfg.max_rows)
         self.ks = sorted(set(cfg.ks)) or sorted({1, cfg.n})
@@ -427,155 +333,7 @@ class PeriodicEval:
         self.pool.close()
 
 
-# --------------------------------------------------------------------------- the recipe
-
-
-@dataclass
-class TaskConfig:
-    name: str = "gsm8k"
-    """Built-in task (gsm8k, math, math500, countdown) or 'custom' with path + reward_fn."""
-    path: str = ""
-    """Problems: a file, dataset folder or hub id (empty: the task's shipped test set)."""
-    split: str = ""
-    """Split to read (empty: the task's default)."""
-    max_rows: int = 0
-    """Evaluate on the first N problems (0 = all)."""
-    chat: bool = True
-    """Wrap prompts in the tokenizer's chat template (as relign rl does by default)."""
-    system_prompt: str = ""
-    """System message for chat prompts."""
-    max_prompt_length: int = 0
-    """Skip (and count) prompts longer than this many tokens (0 = no limit)."""
-    format_weight: float = 0.0
-    """Weight of the task's format reward in reward_mean (accuracy counts correctness only)."""
-    reward_fn: str = ""
-    """Custom reward function 'path/to/file.py:function' (replaces the task's own)."""
-    reward_timeout: float = 10.0
-    """Seconds per reward call; a call that raises or runs longer scores 0 and is counted."""
-    reward_workers: int = 2
-    """Reward worker processes (0 = in-process, no timeout enforcement)."""
-    extract_fn: str = ""
-    """Final-answer extractor 'file.py:function' (response, extra_info) -> str | None for maj@k (built-in tasks have one)."""
-    equal_fn: str = ""
-    """Answer equivalence 'file.py:function' (a, b) -> bool for maj@k (empty: the task's own, else string equality)."""
-
-
-@dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    n: int = 1
-    """Samples per problem."""
-    k: int = 0
-    """The k of pass@k and maj@k (0 = n)."""
-    ks: list[int] = field(default_factory=list)
-    """All k values to report pass@k and maj@k for (empty: 1 and k); each must be <= n."""
-    temperature: float = 0.0
-    """Sampling temperature (0 = greedy decoding, which needs n = 1)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass (1 = off)."""
-    top_k: int = 0
-    """Top-k sampling (0 = off)."""
-    max_new_tokens: int = 512
-    """Longest completion in tokens; longer ones count as truncated."""
-    stop: list[str] = field(default_factory=list)
-    """Stop strings."""
-    correct_threshold: float = 1.0
-    """A sample counts as correct for pass@k / maj@k when its score is at least this."""
-    batch_prompts: int = 32
-    """Problems sampled together (each brings n rows to the engine)."""
-    max_batch_rows: int = 256
-    """Most sequences the engine decodes at once."""
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    run_dir: str = ""
-    """Where config.yaml, eval.json, samples.jsonl and metrics.jsonl go (empty: runs/eval-<time>)."""
-    seed: int = 0
-    """Seed for sampling."""
-    device: str = "auto"
-    """cpu, cuda, cuda:N or auto."""
-
-
-def _check(cfg: Config) -> list[int]:
-    """Validate the sampling settings; returns the ks to report."""
-    if cfg.n < 1 or cfg.batch_prompts < 1 or cfg.max_batch_rows < 1 or cfg.max_new_tokens < 1:
-        raise ConfigError("n, batch_prompts, max_batch_rows and max_new_tokens must be >= 1")
-    if cfg.temperature < 0:
-        raise ConfigError(f"temperature must be >= 0, got {cfg.temperature}")
-    if cfg.temperature == 0 and cfg.n > 1:
-        raise ConfigError(f"temperature=0 is greedy decoding: all n={cfg.n} samples would be the same; "
-                          "set a temperature (e.g. temperature=0.6) or n=1")
-    k = cfg.k or cfg.n
-    if not 1 <= k <= cfg.n:
-        raise ConfigError(f"k={cfg.k} must lie in [1, n={cfg.n}] (pass@k and maj@k use k of the n samples)")
-    ks = sorted(set(cfg.ks)) or sorted({1, k})
-    bad = [x for x in ks if not 1 <= x <= cfg.n]
-    if bad:
-        raise ConfigError(f"ks={list(cfg.ks)}: every k must lie in [1, n={cfg.n}]")
-    return ks
-
-
-def train(cfg: Config) -> RunResult:
-    """``relign eval``: evaluate ``model.path`` on ``task``; writes eval.json and samples.jsonl."""
-    from .checkpoint import atomic_write_text, seed_everything
-    from .models.loading import load_causal_lm, load_tokenizer, resolve_device
-    from .tracking import Tracker
-
-    ks = _check(cfg)
-    t = cfg.task
-    task = make_task(t.name, path=t.path, reward_fn=t.reward_fn, chat=t.chat, system_prompt=t.system_prompt,
-                     format_weight=t.format_weight, extract_fn=t.extract_fn, equal_fn=t.equal_fn)
-    device = resolve_device(cfg.device)
-    seed_everything(cfg.seed)
-    run_dir = make_run_dir(cfg.run_dir, "eval")
-    save_resolved_config(cfg, run_dir)
-    records = task.load(t.path or None, t.split or None, max_rows=t.max_rows)
-    m = cfg.model
-    tok = load_tokenizer(m.tokenizer or m.path, trust_remote_code=m.trust_remote_code)
-    model = load_causal_lm(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                           trust_remote_code=m.trust_remote_code, device=device).eval().requires_grad_(False)
-
-    t0 = time.perf_counter()
-    try:
-        summary, rows = evaluate(
-            model, tok, task, records, n=cfg.n, ks=ks, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            max_new_tokens=cfg.max_new_tokens, stop=cfg.stop, batch_prompts=cfg.batch_prompts, seed=cfg.seed,
-            reward_workers=t.reward_workers, reward_timeout=t.reward_timeout, progress=cfg.logging.progress,
-            desc=f"eval {task.name}", max_prompt_length=t.max_prompt_length, correct_threshold=cfg.correct_threshold,
-            max_batch_rows=cfg.max_batch_rows,
-        )
-    except ValueError as e:  # e.g. every prompt longer than task.max_prompt_length
-        raise ConfigError(str(e)) from None
-    seconds = time.perf_counter() - t0
-
-    notes = []
-    if task.extract_spec is None:
-        notes.append(f"maj@k omitted: task '{task.name}' has no answer extractor (set task.extract_fn to enable it)")
-    if summary.get("reward_errors") or summary.get("reward_timeouts"):
-        notes.append(f"{summary['reward_errors']:.0f} reward calls raised and {summary['reward_timeouts']:.0f} timed out "
-                     "(scored 0); see reward_error in samples.jsonl")
-    if summary["skipped_long"]:
-        notes.append(f"{summary['skipped_long']:.0f} problems skipped: prompt longer than task.max_prompt_length")
-    result = {
-        "model": m.path, "task": task.name, "data": t.path or task.default_path, "split": t.split or task.split,
-        "n": cfg.n, "k": cfg.k or cfg.n, "ks": ks, "temperature": cfg.temperature, "greedy": cfg.temperature == 0,
-        "top_p": cfg.top_p, "top_k": cfg.top_k, "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed,
-        "metrics": summary, "notes": notes, "seconds": seconds,
-    }
-    atomic_write_text(run_dir / "eval.json", json.dumps(result, indent=2) + "\n")
-    write_samples(run_dir / "samples.jsonl", rows)
-    lg = cfg.logging
-    tracker = Tracker(run_dir, total_steps=0, desc="eval", progress=False, tensorboard=lg.tensorboard, wandb=lg.wandb,
-                      wandb_project=lg.wandb_project, run_name=lg.run_name)
-    tracker.log(0, {f"eval/{k}": v for k, v in summary.items()}, advance=False)
-    tracker.close()
-    print(f"{task.name}: {format_summary(summary)}  ({summary['num_problems']:.0f} problems x {cfg.n} samples, {seconds:.1f}s)")
-    for note in notes:
-        print(f"note: {note}")
-    return RunResult(run_dir=run_dir, steps=0, metrics=summary)
-
-
 __all__ = [
-    "Config", "EvalDuringTrainingConfig", "PeriodicEval", "TaskConfig", "check_eval_during_training", "encode_prompt",
-    "evaluate", "format_summary", "is_eval_step", "maj_at_k", "majority", "make_task", "pass_at_k", "train", "vote",
-    "write_samples",
+    "EvalDuringTrainingConfig", "PeriodicEval", "check_eval_during_training", "evaluate", "format_summary", "is_eval_step",
+    "pass_at_k", "write_samples",
 ]

@@ -12,6 +12,7 @@ comes from files, so it works for every recipe and for a run that is still going
     eval.json, samples.jsonl eval summary + per-problem grid of samples and votes
     eval/step_N.jsonl        the same grid for the latest in-training eval (RL with eval.samples)
     demo.json                before/after table; sub-run directories get their own report
+    sweep.json, search.jsonl, search/*.jsonl   inference-time search (relign/report_search.py)
 
 Model output is untrusted text: every string is escaped (``html.escape``) in markup, JSON
 embedded in ``<script>`` blocks has ``<``, ``>`` and ``&`` escaped so ``</script>`` cannot
@@ -52,8 +53,8 @@ MAX_EVAL_BYTES = 8_000_000  # ... until their samples' text reaches this
 MAX_CHART_POINTS = 400  # longer series are averaged into this many buckets
 
 # Folders of a run that are never sub-runs (a demo's sub-runs are its other sub-directories).
-NOT_SUBRUNS = {"checkpoints", "rollouts", "tensorboard", "wandb", ".cache"}
-RUN_FILES = ("config.yaml", "metrics.jsonl", "eval.json", "demo.json", "samples.jsonl")
+NOT_SUBRUNS = {"checkpoints", "rollouts", "tensorboard", "wandb", ".cache", "search"}
+RUN_FILES = ("config.yaml", "metrics.jsonl", "eval.json", "demo.json", "samples.jsonl", "sweep.json", "search.jsonl")
 
 # Named plots, in page order. Each is (id, title, key patterns, band key). Keys matched here
 # are not plotted again among the generic per-prefix plots. Patterns are fnmatch-style.
@@ -158,6 +159,7 @@ class Run:
     samples_file: str = ""  # where the samples came from, relative to the run directory
     demo: dict[str, Any] | None = None
     subruns: list[Path] = field(default_factory=list)
+    search: Any = None  # report_search.Search: sweep.json, search.jsonl, search/*.jsonl
 
 
 def load_run(root: Path) -> Run:
@@ -177,6 +179,9 @@ def load_run(root: Path) -> Run:
     if run.samples_file:
         run.samples = read_jsonl(root / run.samples_file)
     run.demo = _read_json(root / "demo.json")
+    from . import report_search  # imports this module: not at the top
+
+    run.search = report_search.load_search(root, run.eval_summary)
     run.subruns = sorted(
         p for p in root.iterdir()
         if p.is_dir() and p.name not in NOT_SUBRUNS and any((p / f).is_file() for f in RUN_FILES)
@@ -254,7 +259,7 @@ def infer_recipe(run: Run) -> str:
     cfg = run.config
     if run.demo is not None:
         return "demo"
-    if run.eval_summary is not None or run.samples_file == "samples.jsonl":
+    if run.eval_summary is not None or run.samples_file == "samples.jsonl" or run.search is not None:
         return "eval"
     if run.trace_files or {"rollout", "algorithm"} <= cfg.keys() or "reward/mean" in keys:
         return "rl"
@@ -809,6 +814,8 @@ def render_subruns(run: Run) -> str:
 
 
 def render_summary(run: Run) -> str:
+    from . import report_search
+
     model, task = _model_and_task(run)
     start, seconds = wall_time(run)
     steps = [r["step"] for r in run.metrics if _is_num(r.get("step"))]
@@ -821,6 +828,7 @@ def render_summary(run: Run) -> str:
         ("started", _dt.datetime.fromtimestamp(start).strftime("%Y-%m-%d %H:%M:%S") if start else ""),
         ("checkpoints", ", ".join(f"step_{s}" for s in run.checkpoints)),
         ("rollout traces", f"{len(run.trace_files)} steps" if run.trace_files else ""),
+        ("search", report_search.summary_text(run.search)),
     ]
     rows = "".join(f"<tr><th>{k}</th><td>{html.escape(str(v))}</td></tr>" for k, v in facts if v)
     out = [f'<section id="summary"><h2>Summary</h2><table class="kv" id="run-facts">{rows}</table>']
@@ -844,12 +852,16 @@ def render_page(run: Run) -> str:
     # an eval or demo directory without metrics.jsonl has no "Metrics" section; a training run
     # that has logged nothing yet says so
     single_step = len({r.get("step") for r in run.metrics}) <= 1  # an eval run logs its summary once: eval.json shows it
-    show_metrics = (bool(run.metrics) and not (single_step and run.eval_summary is not None)) or (
-        run.eval_summary is None and run.demo is None)
+    is_eval = run.eval_summary is not None or run.search is not None
+    show_metrics = (bool(run.metrics) and not (single_step and is_eval)) or (not is_eval and run.demo is None)
     metrics = f'<section id="metrics"><h2>Metrics</h2>{render_metrics(run.metrics)}</section>' if show_metrics else ""
     evals = render_eval(run)
     in_training = run.samples_file.startswith("eval/")  # a training run's eval samples come after its own sections
-    body = [render_summary(run), render_demo(run), render_subruns(run), "" if in_training else evals, metrics,
+    from . import report_search
+
+    search = report_search.render_search(run)  # its CSS and JS go into the page only with it
+    search_css, search_js = report_search.assets() if search else ("", "")
+    body = [render_summary(run), render_demo(run), render_subruns(run), "" if in_training else evals, search, metrics,
             render_traces(run), evals if in_training else ""]
     generated = _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     return f"""<!doctype html>
@@ -857,11 +869,11 @@ def render_page(run: Run) -> str:
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <meta http-equiv="Content-Security-Policy" content="{CSP}">
 <title>relign report: {html.escape(name)}</title>
-<style>{CSS}</style></head>
+<style>{CSS}{search_css}</style></head>
 <body><header><h1>{html.escape(name)}</h1><span class="sub">relign report · written {generated} ·
 <code>relign report {html.escape(str(run.path))}</code> rewrites it</span></header>
 <main>{"".join(body)}</main>
-<script>{JS}</script></body></html>
+<script>{JS}</script>{f"<script>{search_js}</script>" if search_js else ""}</body></html>
 """
 
 

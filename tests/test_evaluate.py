@@ -1,4 +1,7 @@
-"""Eval metrics against hand-computed values, answer extraction per task, and the eval loop."""
+"""pass@k against hand-computed values, answer extraction per task, eval during training, and the eval loop.
+
+Voting (maj@k) is tested in tests/strategies/test_voting.py, task building and prompt rendering in
+tests/envs/test_tasks.py."""
 
 from __future__ import annotations
 
@@ -11,19 +14,10 @@ import torch
 
 from relign.config import ConfigError
 from relign.envs.base import get_task
-from relign.evaluate import (
-    EvalDuringTrainingConfig,
-    check_eval_during_training,
-    encode_prompt,
-    evaluate,
-    is_eval_step,
-    maj_at_k,
-    majority,
-    make_task,
-    pass_at_k,
-    vote,
-)
+from relign.envs.tasks import build_task, render_prompt
+from relign.evaluate import EvalDuringTrainingConfig, check_eval_during_training, evaluate, is_eval_step, pass_at_k
 from relign.rollout.engine import Completion
+from relign.strategies.voting import maj_at_k
 
 from .conftest import write_jsonl
 
@@ -68,45 +62,6 @@ def test_pass_at_k_matches_the_binomial_formula():
     assert pass_at_k(200, 10, 100) == pytest.approx(float(_pass_at_k_binomial(200, 10, 100)), abs=1e-12)
 
 
-# --------------------------------------------------------------------------- maj@k
-
-
-def test_vote_clusters_skip_missing_answers():
-    assert vote(["5", None, "7", "5", None, "7", "7"]) == [[0, 3], [2, 5, 6]]
-    assert vote([None, None]) == []
-    assert majority([[0, 3], [2, 5, 6]]) == [2, 5, 6]
-    assert majority([[1], [0, 2], [3, 4]]) == [0, 2]  # a tie goes to the answer seen first
-    assert majority([]) is None
-
-
-def test_maj_at_k_hand_computed():
-    answers = ["5", "7", "5", None]
-    # k=4: "5" has 2 votes, "7" 1, None does not vote -> "5", which is wrong -> 0
-    assert maj_at_k(answers, [False, True, False, False], 4) == 0.0
-    # k=2: "5" and "7" tie 1-1 -> first seen "5" -> wrong -> 0; with "5" correct -> 1
-    assert maj_at_k(answers, [False, True, False, False], 2) == 0.0
-    assert maj_at_k(answers, [True, False, True, False], 2) == 1.0
-    # k=1: the first sample alone
-    assert maj_at_k(answers, [True, False, True, False], 1) == 1.0
-    # missing answers do not vote: two Nones and one "7" -> "7"
-    assert maj_at_k([None, None, "7"], [False, False, True], 3) == 1.0
-    assert maj_at_k([None, None], [False, False], 2) == 0.0  # nobody voted
-    # only the first k samples vote: ["1", "2", "2"]: k=1 -> "1" (right), k=3 -> "2" (wrong)
-    assert maj_at_k(["1", "2", "2"], [True, False, False], 1) == 1.0
-    assert maj_at_k(["1", "2", "2"], [True, False, False], 3) == 0.0
-    with pytest.raises(ValueError):
-        maj_at_k(["1"], [True], 2)
-
-
-def test_maj_at_k_uses_the_equivalence():
-    same_number = lambda a, b: float(Fraction(a)) == float(Fraction(b))  # noqa: E731
-    # "1/2", "0.5", "3": with string equality each has one vote -> "1/2" first-seen; with the
-    # numeric check "1/2" and "0.5" form a cluster of 2 -> same answer, but now by count
-    answers, correct = ["3", "1/2", "0.5"], [False, True, True]
-    assert maj_at_k(answers, correct, 3) == 0.0  # string equality: 1-1-1 tie -> "3"
-    assert maj_at_k(answers, correct, 3, same_number) == 1.0  # {1/2, 0.5} x2 beats "3"
-
-
 # --------------------------------------------------------------------------- answers per task
 
 
@@ -141,30 +96,6 @@ def test_countdown_votes_on_the_value_of_a_valid_expression():
     assert t.extract_answer("<answer>(7 - 5) * 3 = 6</answer>", info) is None  # not an expression
     assert t.extract_answer("no tags", info) is None
     assert t.answers_equal("6", "6") and not t.answers_equal("6", "7/2")
-
-
-def test_custom_task_has_no_extractor_unless_given(tmp_path):
-    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "answer": "a"}])
-    reward = tmp_path / "r.py"
-    reward.write_text("def reward(p, r, e):\n    return 0.0\n\n"
-                      "def first_word(r, e):\n    return r.split()[0] if r.split() else None\n")
-    t = make_task("custom", path=str(data), reward_fn=str(reward))
-    assert t.reward_spec.endswith("r.py:reward")  # 'file.py' means its function named reward
-    assert t.extract_spec is None and t.extract_answer("x y", {}) is None
-    assert t.answers_equal("a", "a") and not t.answers_equal("a", "b")
-    t2 = make_task("custom", path=str(data), reward_fn=f"{reward}:reward", extract_fn=f"{reward}:first_word")
-    assert t2.extract_answer("yes indeed", {}) == "yes"
-
-
-def test_make_task_errors_are_config_errors(tmp_path):
-    with pytest.raises(ConfigError, match="reward_fn"):
-        make_task("custom", path=str(tmp_path / "p.jsonl"))
-    with pytest.raises(ConfigError, match="multi-turn"):
-        make_task("calculator")
-    with pytest.raises(ConfigError, match="unknown task"):
-        make_task("gsm9k")
-    with pytest.raises(ConfigError, match="file not found"):
-        make_task("gsm8k", extract_fn=str(tmp_path / "missing.py:f"))
 
 
 def test_eval_steps_every_n_and_at_the_last_step():
@@ -261,7 +192,7 @@ def test_evaluate_without_extractor_omits_maj(tokenizer, tmp_path):
     data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "answer": "x"}, {"prompt": "b", "answer": "y"}])
     reward = tmp_path / "r.py"
     reward.write_text("def reward(p, r, e):\n    return float(r == e['answer'])\n")
-    task = make_task("custom", path=str(data), reward_fn=str(reward), chat=False)
+    task = build_task("custom", path=str(data), reward_fn=str(reward), chat=False)
     engine = ScriptedEngine([["x", "z"], ["z", "z"]])
     summary, rows = evaluate(None, tokenizer, task, task.load(), n=2, ks=(1, 2), temperature=1.0, engine=engine, progress=False)
     assert not any(k.startswith("maj@") for k in summary) and "answered_frac" not in summary
@@ -274,7 +205,7 @@ def test_evaluate_rejects_greedy_with_many_samples_and_counts_long_prompts(token
     records = task.load(str(write_jsonl(tmp_path / "g.jsonl", GSM8K_ROWS)))
     with pytest.raises(ValueError, match="greedy"):
         evaluate(None, tokenizer, task, records, n=2, temperature=0.0, engine=ScriptedEngine([]), progress=False)
-    short = min(len(encode_prompt(tokenizer, r)[1]) for r in records)
+    short = min(len(render_prompt(tokenizer, r)[1]) for r in records)
     with pytest.raises(ValueError, match="nothing to evaluate"):
         evaluate(None, tokenizer, task, records, engine=ScriptedEngine([]), max_prompt_length=short - 1, progress=False)
 
@@ -302,7 +233,7 @@ def _toy_task(tmp_path):
     data = write_jsonl(tmp_path / "toy.jsonl", [{"prompt": f"Write something {i}:"} for i in range(6)])
     reward = tmp_path / "toy_reward.py"
     reward.write_text(TOY_REWARD)
-    return make_task("custom", path=str(data), reward_fn=f"{reward}:reward", chat=False, extract_fn=f"{reward}:first_char")
+    return build_task("custom", path=str(data), reward_fn=f"{reward}:reward", chat=False, extract_fn=f"{reward}:first_char")
 
 
 def test_evaluate_tiny_model_numbers_are_consistent(tiny, tmp_path):

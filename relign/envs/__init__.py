@@ -4,6 +4,8 @@
   ``get_task``, ``load_function`` (``"file.py:fn"`` specs) and ``make_custom_task``;
 * ``gsm8k``, ``math``, ``countdown``: built-in tasks, each with a module-level
   ``reward(prompt, response, extra_info, *, format_weight=0.0)`` and ``task(...)`` factory;
+* ``tasks``: ``build_task`` (the task as rl and eval build it), ``render_prompt`` (the one way
+  a record becomes prompt text + ids), ``problem_text``, ``encode_problems``;
 * ``rewards``: ``RewardPool``, rewards in worker processes with a timeout per call;
 * ``multiturn``: the ``Env`` protocol (RL2's ``step``); ``calculator``: a tool-use env;
 * ``safe_arith``: the arithmetic evaluator Countdown and the calculator share;

@@ -212,6 +212,14 @@ class Task:
     term_weights: dict[str, float] = field(default_factory=dict)
     """The reward as a weighted sum of its components: reward = sum_k w_k * components[k]
     (built-in tasks: correct 1, format format_weight). Empty: unknown (custom rewards)."""
+    answer_marker: str | None = None
+    """Text that only a final answer holds (``"####"``, ``"\\boxed"``, ``"</answer>"``): tree search
+    (step beam, MCTS) treats a step that holds it as terminal. None: not known."""
+    reward_needs_reference: bool = True
+    """Whether the reward reads the gold answer from ``extra_info`` (gsm8k, math: yes; countdown
+    checks the expression against the numbers in the prompt: no). Search refuses to *score*
+    with such a reward unless allowed (training-time data generation), since that would leak
+    the answer into eval. Custom rewards are assumed to need it."""
 
     @property
     def format_weight(self) -> float:
@@ -351,6 +359,8 @@ def builtin_task(
     split: str = "test",
     extract_spec: str | None = None,
     equal_spec: str | None = None,
+    answer_marker: str | None = None,
+    reward_needs_reference: bool = True,
 ) -> Task:
     """A built-in task: its reward is ``correct + format_weight * format`` (``combine``)."""
     return Task(
@@ -366,6 +376,8 @@ def builtin_task(
         extract_spec=extract_spec,
         equal_spec=equal_spec,
         term_weights={"correct": 1.0, "format": float(format_weight)},
+        answer_marker=answer_marker,
+        reward_needs_reference=reward_needs_reference,
     )
 
 

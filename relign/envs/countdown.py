@@ -124,4 +124,4 @@ def parse_row(raw: dict, source: str, row: int) -> tuple[dict, dict]:
 def task(*, template: str = TEMPLATE, default_path: str = DEFAULT_PATH, **options: Any) -> Task:
     """The countdown task; ``options``: format_weight, chat, system_prompt, split (see ``builtin_task``)."""
     return builtin_task(NAME, parse_row, "relign.envs.countdown:reward", template=template, default_path=default_path,
-                        extract_spec="relign.envs.countdown:final_answer", **options)
+                        extract_spec="relign.envs.countdown:final_answer", answer_marker="</answer>", reward_needs_reference=False, **options)

@@ -14,6 +14,7 @@ import torch
 
 from .. import distributed
 from ..config import ConfigError
+from ..envs.tasks import build_task
 from ..models.loading import apply_lora, load_causal_lm
 from ..models.value import ValueModel
 from ..tracking import Tracker
@@ -75,10 +76,8 @@ def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows:
 
 def task_for(t: TaskConfig):
     """The task of an RL run (a built-in task, a custom one, or a procedural multi-turn one)."""
-    from ..evaluate import make_task
-
-    return make_task(t.name, path=t.path, reward_fn=t.reward_fn, chat=t.chat, system_prompt=t.system_prompt,
-                     format_weight=t.format_weight, single_turn=False)
+    return build_task(t.name, path=t.path, reward_fn=t.reward_fn, chat=t.chat, system_prompt=t.system_prompt,
+                      format_weight=t.format_weight, single_turn=False)
 
 
 def collector_for(task, t: TaskConfig, ro: RolloutConfig, rw: LearnedRewardConfig, tokenizer, engine, *,

@@ -26,6 +26,7 @@ import torch
 from .. import distributed
 from ..algorithms.shaping import zero_variance_groups
 from ..data.collate import StepSampler
+from ..envs.tasks import problem_text, render_prompt
 from .engine import SamplingParams, derive_seed
 from .multiturn import Episode, episode_from_completion, run_episodes
 
@@ -40,14 +41,6 @@ class Group:
     """The problem as the user wrote it (the last user message, or the raw prompt), without any chat markup."""
     draw: int = 0
     """The sampler's draw index of this prompt (its completions are seeded from it)."""
-
-
-def problem_text(rec: dict) -> str:
-    """What a learned reward (or a verifier) reads as the problem of an RL record."""
-    if "messages" in rec:
-        users = [m["content"] for m in rec["messages"] if m.get("role") == "user"]
-        return users[-1] if users else ""
-    return rec.get("prompt", "")
 
 
 class RolloutCollector:
@@ -94,8 +87,7 @@ class RolloutCollector:
         self.problems: list[str] = []
         self.skipped_long = 0
         for rec in records:
-            text = self._render(rec)
-            ids = tokenizer(text, add_special_tokens="messages" not in rec)["input_ids"]
+            text, ids = render_prompt(tokenizer, rec)
             if len(ids) > max_prompt_length:
                 self.skipped_long += 1
                 continue
@@ -108,11 +100,6 @@ class RolloutCollector:
 
     def __len__(self) -> int:
         return len(self.records)
-
-    def _render(self, rec: dict) -> str:
-        if "messages" in rec:
-            return self.tok.apply_chat_template(rec["messages"], tokenize=False, add_generation_prompt=True)
-        return rec["prompt"]
 
     # ------------------------------------------------------------------ rollout
     def rollout(self, indices: list[int], draws: list[int]) -> list[Group]:

@@ -257,3 +257,61 @@ def test_report_in_headless_chromium(browser, tmp_path):
     shot = _save_screenshot(cdp, tmp_path / "report_traces.png")
     assert shot.stat().st_size > 10_000
     assert not [e for e in cdp.events if e.get("method") == "Runtime.exceptionThrown"]
+
+
+def test_search_report_in_headless_chromium(browser, tmp_path):
+    from ..test_report_search import make_single_search_run, make_sweep_run
+
+    run = make_sweep_run(tmp_path / "sweep")
+    make_single_search_run(run)  # eval.json + search.jsonl as well: the first cell is search.jsonl, with trees
+    url = write_report(run).resolve().as_uri()
+    cdp = browser
+    for domain in ("Page", "Runtime", "Network"):
+        cdp.call(f"{domain}.enable")
+    cdp.call("Page.navigate", url=url)
+    cdp.wait_event("Page.loadEventFired")
+    requested = [e["params"]["request"]["url"] for e in cdp.events if e.get("method") == "Network.requestWillBeSent"]
+    assert requested == [url], requested
+    errors = [e for e in cdp.events if e.get("method") == "Runtime.exceptionThrown"
+              or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] == "error")]
+    assert not errors, errors
+
+    # the chart: a series per strategy, error bars, a readout on hover
+    assert cdp.js("[...document.querySelectorAll('#chart-sweep g.series')].map(g => g.dataset.series)") == ["cot", "best_of_n", "mcts"]
+    assert cdp.js("document.querySelectorAll('#chart-sweep path.errbar').length") == 9
+    cdp.hover("#chart-sweep g.series[data-series='mcts'] circle.pt")
+    assert cdp.js("document.querySelector('#chart-sweep .readout').textContent").startswith("mcts, budget 128: accuracy 0.4")
+
+    # the tree of problem 0 (open by default): the chosen path open, hostile step text inert
+    visible = "(sel => { const e = document.querySelector(sel); return !!e && e.checkVisibility(); })"
+    node = "#search .search-cell[data-cell='0'] li[data-node='{}']"
+    assert cdp.js("document.querySelectorAll(\"#search .search-cell[data-cell='0'] .tree[data-problem='0'] li.node\").length") == 6
+    assert cdp.js(f"{visible}({json.dumps(node.format(5))})")  # the chosen leaf, three levels down
+    assert cdp.js("document.querySelectorAll('#search img, #search script').length") == 0
+    assert "</script><script>alert(1)" in cdp.js("document.getElementById('search').textContent")
+
+    # a real click on node 1's summary folds it: its children disappear; a second click unfolds it
+    summary = node.format(1) + " > details > summary"
+    cdp.click(summary)
+    assert cdp.js(f"document.querySelector({json.dumps(node.format(1) + ' > details')}).open") is False
+    assert not cdp.js(f"{visible}({json.dumps(node.format(3))})")
+    cdp.click(summary)
+    assert cdp.js(f"{visible}({json.dumps(node.format(3))})")
+    # a folded sibling branch (node 2 is a leaf under the open root) stays visible; "collapse all" folds everything
+    cdp.click("#search .search-cell[data-cell='0'] .tree[data-problem='0'] button[data-act='collapse']")
+    assert not cdp.js(f"{visible}({json.dumps(node.format(1))})")
+    cdp.click("#search .search-cell[data-cell='0'] .tree[data-problem='0'] button[data-act='chosen']")
+    assert cdp.js(f"{visible}({json.dumps(node.format(5))})")
+
+    # the file selector shows another cell; the filter hides problems
+    cdp.set_value("#search-file", "3", "change")
+    assert cdp.js("[...document.querySelectorAll('.search-cell')].filter(c => !c.hidden).map(c => c.dataset.file)") == ["search/best_of_n_128.jsonl"]
+    cdp.set_value("#search-filter", "incorrect", "change")
+    assert cdp.js("document.getElementById('search-count').textContent") == "1 of 3 problems shown"
+    cdp.set_value("#search-filter", "all", "change")
+    cdp.set_value("#search-file", "0", "change")
+
+    cdp.js("document.getElementById('search').scrollIntoView()")
+    shot = _save_screenshot(cdp, tmp_path / "report_search.png")
+    assert shot.stat().st_size > 10_000
+    assert not [e for e in cdp.events if e.get("method") == "Runtime.exceptionThrown"]

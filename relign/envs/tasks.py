@@ -1,0 +1,94 @@
+"""Tasks as the recipes build them, and the one way a task record becomes a prompt.
+
+    build_task(name, path=..., reward_fn=..., ...)   config values -> Task   (rl, eval, demo)
+    render_prompt(tokenizer, record)                 record -> (prompt text, prompt ids)
+    problem_text(record)                             record -> the question, without chat markup
+    encode_problems(tokenizer, records)              records -> [Problem] (what strategies search)
+
+RL's ``RolloutCollector`` and the eval loop both render prompts through ``render_prompt``, so
+a model is evaluated on exactly the token ids it was trained on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from relign.config import ConfigError
+from relign.envs.base import Task, get_task, load_function
+from relign.strategies.base import Problem
+
+
+def build_task(name: str, *, path: str = "", reward_fn: str = "", chat: bool = True, system_prompt: str = "",
+               format_weight: float = 0.0, extract_fn: str = "", equal_fn: str = "", single_turn: bool = True) -> Task:
+    """The task as ``relign rl`` builds it (``reward_fn`` replaces a built-in task's reward; a
+    custom task needs ``path`` and ``reward_fn``), with optional answer extractor / equivalence
+    overrides for maj@k. ``single_turn`` refuses a task that runs in a multi-turn environment
+    (evaluation samples single completions). Problems a user can fix raise ``ConfigError``."""
+    opts: dict[str, Any] = {"chat": chat, "system_prompt": system_prompt or None}
+    if reward_fn and ":" not in reward_fn:
+        reward_fn += ":reward"  # 'my_reward.py' means its function named reward, as in relign rl
+    try:
+        if name == "custom":
+            if not (path and reward_fn):
+                raise ConfigError("task.name=custom needs the problems' path and task.reward_fn ('file.py:function')")
+            task = get_task("custom", data_path=path, reward_fn_spec=reward_fn, **opts)
+        else:
+            task = get_task(name, format_weight=format_weight, **opts)
+            if reward_fn:
+                load_function(reward_fn)  # fail now, not in a worker
+                task = replace(task, reward_spec=reward_fn, reward_kwargs={}, term_weights={})
+        for spec in (extract_fn, equal_fn):
+            if spec:
+                load_function(spec)
+        if extract_fn:
+            task = replace(task, extract_spec=extract_fn)
+        if equal_fn:
+            task = replace(task, equal_spec=equal_fn)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        raise ConfigError(f"task: {e}") from None
+    if single_turn and task.env:
+        raise ConfigError(f"task.name={name} is a multi-turn environment ({task.env}); evaluation covers single-turn tasks")
+    return task
+
+
+def render_prompt(tokenizer, record: dict) -> tuple[str, list[int]]:
+    """(text, token ids) of a task record's prompt: a chat (``messages``) through the tokenizer's
+    chat template with the generation prompt, tokenized without adding special tokens (the
+    template holds its own); a raw ``prompt`` as it is, tokenized with the tokenizer's special
+    tokens (its BOS, if it adds one)."""
+    if "messages" in record:
+        text = tokenizer.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True)
+        return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+    if "prompt" not in record:
+        raise ValueError(f"a task record needs 'prompt' or 'messages' (as Task.load returns), got keys {sorted(record)}")
+    return record["prompt"], tokenizer(record["prompt"], add_special_tokens=True)["input_ids"]
+
+
+def problem_text(rec: dict) -> str:
+    """What a learned reward (or a verifier) reads as the problem of an RL record: the last
+    user message of a chat, or the raw prompt."""
+    if "messages" in rec:
+        users = [m["content"] for m in rec["messages"] if m.get("role") == "user"]
+        return users[-1] if users else ""
+    return rec.get("prompt", "")
+
+
+def encode_problems(tokenizer, records: list[dict], *, max_prompt_length: int = 0) -> tuple[list[Problem], int]:
+    """Render and tokenize every record once: the problems (``id`` = the record's index) and the
+    number skipped because their prompt is longer than ``max_prompt_length`` tokens (0 = no limit)."""
+    problems: list[Problem] = []
+    skipped_long = 0
+    for i, rec in enumerate(records):
+        if "messages" not in rec and "prompt" not in rec:
+            raise ValueError(f"record {i}: needs 'prompt' or 'messages' (as Task.load returns), got keys {sorted(rec)}")
+        text, ids = render_prompt(tokenizer, rec)
+        if max_prompt_length and len(ids) > max_prompt_length:
+            skipped_long += 1
+            continue
+        problems.append(Problem(id=i, prompt_ids=ids, prompt_text=text, question=problem_text(rec),
+                                extra_info=rec.get("extra_info", {})))
+    return problems, skipped_long
+
+
+__all__ = ["build_task", "encode_problems", "problem_text", "render_prompt"]

@@ -1,0 +1,136 @@
+"""Step-level beam search guided by a scorer (search-and-learn ``beam_search``; Snell et al. 2024,
+arXiv 2408.03314): the baseline MCTS must beat, and per token often the stronger one.
+
+Each round, for every problem of the batch in one engine call: every kept beam proposes
+``width`` next steps (the first round: the prompt proposes ``beams * width``), each stopped
+at the step delimiter; the scorer reads every partial solution (one batched call); complete
+solutions (answer marker or EOS) are set aside as candidates; the best ``beams`` of the rest
+are kept. The last round (at ``max_depth``, at ``budget.max_simulations``, or when one more
+step round would spend the token budget) generates to the end. The answer is the best-scored
+complete solution (``select=argmax``) or a score-weighted vote (``weighted_vote``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..rollout.engine import SamplingParams, derive_seed
+from .base import Budget, Candidate, Cost, Problem, SearchResult
+from .common import BudgetClock, ScoreJob, answer_of, check_scorer, equal_fn, score_jobs, select_candidate, step_texts
+from .sample import continue_prefixes
+
+
+@dataclass
+class _Beam:
+    ids: list[int]
+    score: float | None = None
+    depth: int = 0
+    rank: tuple[int, int] = (0, 0)
+    """(parent beam's rank, sample): breaks score ties the same way whatever the batch."""
+
+
+@dataclass
+class StepBeam:
+    tokenizer: object
+    name: str = "step_beam"
+    beams: int = 4
+    """Beams kept after each round (search-and-learn's N / M)."""
+    width: int = 4
+    """Next steps proposed per kept beam (M)."""
+    select: str = "argmax"
+    """argmax or weighted_vote over the complete solutions."""
+    temperature: float = 0.7
+    top_p: float = 1.0
+    delimiter: str = "\n"
+    step_max_tokens: int = 128
+    max_new_tokens: int = 512
+    max_depth: int = 16
+    aggregate: str = "last"
+    allow_reference: bool = False
+    answer_marker: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.beams < 1 or self.width < 1 or self.max_depth < 1 or self.step_max_tokens < 1:
+            raise ValueError("step_beam beams, width, max_depth and step_max_tokens must be >= 1")
+        if self.select not in ("argmax", "weighted_vote"):
+            raise ValueError(f"step_beam select={self.select!r}; choose argmax or weighted_vote")
+
+    def search(self, engine, task, problems: list[Problem], *, budget: Budget, scorer=None, seed: int = 0
+               ) -> list[SearchResult]:
+        check_scorer(self.name, scorer, task, needs_scorer=True, allow_reference=self.allow_reference)
+        marker = self.answer_marker or getattr(task, "answer_marker", None)
+        if not marker:
+            raise ValueError(f"step_beam needs the task's answer marker to tell a final step (task "
+                             f"'{getattr(task, 'name', '?')}' has none): set search.answer_marker")
+        t0 = time.perf_counter()
+        cache: dict[int, str] = {}
+        costs = [Cost() for _ in problems]
+        clocks = [BudgetClock(budget) for _ in problems]
+        active: list[list[_Beam]] = [[_Beam([])] for _ in problems]
+        done: list[list[Candidate]] = [[] for _ in problems]
+        last_round = [0] * len(problems)  # tokens the previous round cost
+        failed: dict[int, str] = {}
+        while True:
+            live = [i for i in range(len(problems)) if i not in failed and active[i] and clocks[i].allows(costs[i])
+                    and len(done[i]) < self.beams * self.width]
+            if not live:
+                break
+            asks: dict[tuple, list[tuple[int, int, _Beam]]] = {}  # (n, max_new, final) -> (problem, beam index, beam)
+            for i in live:
+                b = budget
+                final = (clocks[i].rounds + 1 >= self.max_depth
+                         or (b.max_simulations is not None and clocks[i].rounds + 1 >= b.max_simulations)
+                         or (b.max_generated_tokens is not None and costs[i].generated_tokens + last_round[i] >= b.max_generated_tokens))
+                n = self.width if clocks[i].rounds else self.beams * self.width
+                for j, beam in enumerate(active[i]):
+                    room = self.max_new_tokens - len(beam.ids)
+                    key = (n, room if final else min(self.step_max_tokens, room), final)
+                    asks.setdefault(key, []).append((i, j, beam))
+            spent0 = [c.generated_tokens for c in costs]
+            proposals: list[tuple[int, _Beam, list[int], str, object]] = []
+            for (n, max_new, final), reqs in asks.items():
+                params = SamplingParams(n=n, temperature=self.temperature, top_p=self.top_p, max_new_tokens=max_new,
+                                        stop=[] if final else [self.delimiter])
+                prefixes = [problems[i].prompt_ids + beam.ids for i, _, beam in reqs]
+                # seeded by (problem, round, beam rank): not by the request's place in the batch
+                seeds = [derive_seed(seed, problems[i].id, clocks[i].rounds, j) for i, j, _ in reqs]
+                outs = continue_prefixes(engine, prefixes, params, [costs[i] for i, _, _ in reqs], seeds=seeds)
+                for (i, j, beam), completions in zip(reqs, outs):
+                    for k, c in enumerate(completions):
+                        ids = beam.ids + list(c.token_ids)
+                        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                        ended = c.finish_reason == "stop" and not isinstance(c.stop_reason, str)
+                        terminal = final or ended or marker in self.tokenizer.decode(c.token_ids, skip_special_tokens=True) \
+                            or len(ids) >= self.max_new_tokens
+                        proposals.append((i, _Beam(ids, depth=beam.depth + 1, rank=(j, k)), terminal, text, c.finish_reason))
+            proposals.sort(key=lambda x: (x[0], x[1].rank))  # the same order whatever the batch's grouping
+            jobs = [ScoreJob(i, step_texts(b.ids, self.tokenizer, self.delimiter, cache)) for i, b, *_ in proposals]
+            scores = score_jobs(scorer, problems, jobs, costs, failed, self.aggregate)
+            kept: dict[int, list[_Beam]] = {i: [] for i in live}
+            for (i, beam, terminal, text, finish), s in zip(proposals, scores):
+                if i in failed:
+                    continue
+                beam.score = s
+                if terminal:
+                    done[i].append(Candidate(beam.ids, text, answer_of(task, text, problems[i].extra_info), score=s,
+                                             finish_reason=finish, meta={"kind": "beam", "depth": beam.depth}))
+                else:
+                    kept[i].append(beam)
+            for i in live:
+                ranked = sorted(kept[i], key=lambda b: (-(b.score if b.score is not None else float("-inf")), b.rank))
+                active[i] = ranked[: self.beams]
+                last_round[i] = costs[i].generated_tokens - spent0[i]
+                clocks[i].rounds += 1
+        wall = time.perf_counter() - t0
+        equal = equal_fn(task)
+        results = []
+        for i in range(len(problems)):
+            costs[i].wall_s = wall
+            if i in failed:
+                results.append(SearchResult(None, None, done[i], costs[i], error=failed[i]))
+                continue
+            k = select_candidate(done[i], self.select, equal)
+            chosen = done[i][k] if k is not None else None
+            results.append(SearchResult(chosen.answer if chosen else None, chosen, done[i], costs[i]))
+        return results

@@ -1,0 +1,149 @@
+"""What the strategies share: checking the scorer, scoring in batches with per-problem failure,
+building candidates, and choosing the answer."""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .base import Budget, Candidate, Cost, Problem
+from .scorers import aggregate_step_scores, check_reference
+from .steps import step_ends
+from .voting import argmax_index, majority, vote, weighted_vote
+
+log = logging.getLogger(__name__)
+
+SELECTIONS = ("first", "vote", "argmax", "weighted_vote")
+
+
+class ScorerFailed(Exception):
+    """A scorer raised on one problem's solutions; that problem's result is marked failed."""
+
+
+def check_scorer(name: str, scorer, task, *, needs_scorer: bool, allow_reference: bool) -> None:
+    if needs_scorer and scorer is None:
+        raise ValueError(f"strategy {name} ranks solutions and needs a scorer (scorer=verifier|rm|prm, or rule where allowed)")
+    check_reference(scorer, task, allow_reference)
+
+
+def answer_of(task, text: str, extra_info: dict) -> str | None:
+    """The task's extracted final answer; an extractor that raises gives None (the answer is
+    missing, which counts as wrong, and the search goes on)."""
+    try:
+        return task.extract_answer(text, extra_info)
+    except Exception as e:  # noqa: BLE001 - user extractor
+        log.warning("answer extractor raised %s: %s", type(e).__name__, e)
+        return None
+
+
+def equal_fn(task) -> Callable[[str, str], bool]:
+    def equal(a: str, b: str) -> bool:
+        try:
+            return task.answers_equal(a, b)
+        except Exception:  # noqa: BLE001 - user equivalence: different answers
+            return False
+
+    return equal if getattr(task, "equal_spec", None) else operator.eq
+
+
+def step_texts(token_ids: Sequence[int], tokenizer, delimiter: str, cache: dict[int, str] | None = None) -> list[str]:
+    """The response cut into its steps' texts (what a PRM reads), from the exact ids."""
+    ends = step_ends(token_ids, tokenizer, delimiter, cache=cache)
+    starts = [0, *ends[:-1]]
+    return [tokenizer.decode(list(token_ids[s:e]), skip_special_tokens=True) for s, e in zip(starts, ends)] or [""]
+
+
+@dataclass
+class ScoreJob:
+    owner: int
+    """Index of the problem in the batch."""
+    steps: list[str]
+
+
+def score_jobs(scorer, problems: Sequence[Problem], jobs: list[ScoreJob], costs: Sequence[Cost], failed: dict[int, str],
+               aggregate: str) -> list[float | None]:
+    """Score every job in one scorer call (batched across problems) and aggregate its step scores.
+
+    If the call raises, each problem's jobs are scored on their own so the error is pinned on
+    the problems that cause it: those are recorded in ``failed`` (problem index -> message) and
+    their jobs get None; the others are scored normally.
+    """
+    if not jobs:
+        return []
+    live = [i for i, j in enumerate(jobs) if j.owner not in failed]
+    out: list[float | None] = [None] * len(jobs)
+
+    def call(idx: list[int]) -> list[list[float]]:
+        ps = [problems[jobs[i].owner] for i in idx]
+        res = scorer.score([p.question for p in ps], [jobs[i].steps for i in idx], [p.extra_info for p in ps])
+        if len(res) != len(idx):
+            raise ValueError(f"scorer returned {len(res)} results for {len(idx)} solutions")
+        return res
+
+    def charge(idx: list[int]) -> None:
+        for o in {jobs[i].owner for i in idx}:
+            costs[o].scorer_calls += 1
+        for i in idx:
+            costs[jobs[i].owner].scorer_tokens += sum(len(s) for s in jobs[i].steps)
+
+    try:
+        charge(live)
+        results = call(live)
+        for i, r in zip(live, results):
+            out[i] = aggregate_step_scores(r, aggregate)
+        return out
+    except Exception as e:  # noqa: BLE001 - pin it on the problems that cause it
+        log.warning("scorer raised %s: %s; scoring problem by problem", type(e).__name__, e)
+    for owner in sorted({jobs[i].owner for i in live}):
+        idx = [i for i in live if jobs[i].owner == owner]
+        try:
+            for i, r in zip(idx, call(idx)):
+                out[i] = aggregate_step_scores(r, aggregate)
+        except Exception as e:  # noqa: BLE001
+            failed[owner] = f"scorer raised {type(e).__name__}: {e}"
+    return out
+
+
+def select_candidate(cands: Sequence[Candidate], how: str, equal: Callable[[str, str], bool] = operator.eq) -> int | None:
+    """Index of the chosen candidate: ``first``; ``vote`` (self-consistency, Wang et al. 2023:
+    the first candidate of the most common answer); ``argmax`` (best-of-N: the highest score);
+    ``weighted_vote`` (the answer with the largest summed score; Li et al. 2023, Uesato et al.
+    2022). Candidates without an answer do not vote."""
+    if not cands:
+        return None
+    if how == "first":
+        return 0
+    answers = [c.answer for c in cands]
+    if how == "vote":
+        winner = majority(vote(answers, equal))
+        return winner[0] if winner else None
+    if how == "argmax":
+        return argmax_index([c.score for c in cands])
+    if how == "weighted_vote":
+        winner = weighted_vote(answers, [c.score for c in cands], equal)
+        if not winner:
+            return None
+        return max(winner, key=lambda i: (cands[i].score or 0.0, -i))  # the best-scored candidate of that answer
+    raise ValueError(f"unknown selection {how!r}; choose one of {', '.join(SELECTIONS)}")
+
+
+@dataclass
+class BudgetClock:
+    """Whether a problem may start another round under its ``Budget``."""
+
+    budget: Budget
+    rounds: int = 0
+    samples: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def allows(self, cost: Cost, next_round: int = 0) -> bool:
+        """Another round fits: ``next_round`` is the expected tokens of it (0: any start below the budget)."""
+        b = self.budget
+        if b.max_generated_tokens is not None and cost.generated_tokens + next_round >= max(b.max_generated_tokens, 1):
+            return False
+        if b.max_samples is not None and self.samples >= b.max_samples:
+            return False
+        return not (b.max_simulations is not None and self.rounds >= b.max_simulations)

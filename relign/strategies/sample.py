@@ -1,0 +1,72 @@
+"""One batched engine call for many prefixes, de-duplicated, with every generated token counted.
+
+This is the only place search, VinePPO and ReST-EM talk to the engine: identical prefixes are
+sent once (every sample of a question shares s_0; sibling MCTS leaves share their parent), the
+engine sees one ``generate`` call with ``n = params.n`` per prefix, and each caller gets the
+completions of its prefix back. The generated tokens are the budget unit, so they are added to
+the caller's ``Cost`` here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from ..rollout.engine import Completion, SamplingParams
+from .base import Cost
+
+
+def continue_prefixes(engine, prefixes: Sequence[Sequence[int]], params: SamplingParams,
+                      cost: Cost | Sequence[Cost] | None = None, *, seeds: Sequence[int] | None = None
+                      ) -> list[list[Completion]]:
+    """``params.n`` continuations of every prefix, in order, from one ``engine.generate`` call.
+
+    ``cost``: one ``Cost`` for the whole call, or one per prefix (the owner: a problem in a
+    lockstep batch). A de-duplicated prefix is charged to its first owner; every owner that
+    took part is charged one engine call. ``seeds``: one per prefix (a duplicate uses the seed
+    of its first occurrence); callers derive them from what identifies the request (problem,
+    node, attempt), never from its position, so results do not depend on the batch.
+    """
+    if not prefixes:
+        return []
+    if seeds is not None and len(seeds) != len(prefixes):
+        raise ValueError(f"continue_prefixes: {len(seeds)} seeds for {len(prefixes)} prefixes")
+    owners = list(cost) if isinstance(cost, Sequence) else None
+    if owners is not None and len(owners) != len(prefixes):
+        raise ValueError(f"continue_prefixes: {len(owners)} costs for {len(prefixes)} prefixes")
+    first: dict[tuple[int, ...], int] = {}  # prefix -> index into unique
+    unique: list[list[int]] = []
+    unique_seeds: list[int] = []
+    slot: list[int] = []
+    for i, p in enumerate(prefixes):
+        key = tuple(p)
+        j = first.get(key)
+        if j is None:
+            j = first[key] = len(unique)
+            unique.append(list(p))
+            if seeds is not None:
+                unique_seeds.append(int(seeds[i]))
+        slot.append(j)
+    outs = engine.generate(unique, replace(params), seeds=unique_seeds if seeds is not None else None)
+    if len(outs) != len(unique):
+        raise RuntimeError(f"engine returned {len(outs)} results for {len(unique)} prompts")
+
+    if owners is None:
+        if cost is not None:
+            cost.engine_calls += 1
+            cost.prompt_tokens += sum(len(p) for p in unique)
+            cost.generated_tokens += sum(len(c.token_ids) for cs in outs for c in cs)
+    else:
+        charged: set[int] = set()
+        called: set[int] = set()
+        for i, j in enumerate(slot):
+            c = owners[i]
+            if id(c) not in called:  # one engine call per owner, however many prefixes it sent
+                called.add(id(c))
+                c.engine_calls += 1
+            if j not in charged:  # the first owner of a unique prefix pays for it
+                charged.add(j)
+                c.prompt_tokens += len(unique[j])
+                c.generated_tokens += sum(len(x.token_ids) for x in outs[j])
+    return [outs[j] for j in slot]
+
