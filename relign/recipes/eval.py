@@ -1,9 +1,15 @@
-"""``relign eval CONFIG``: evaluate a model on a task (accuracy, pass@k, maj@k, lengths).
+"""``relign eval CONFIG``: evaluate a model on a task (accuracy, pass@k, maj@k, lengths), or
+run an inference-time search strategy on it (cot, majority, best_of_n, weighted_majority,
+step_beam, mcts) under a budget of generated tokens.
 
     load the task's problems and the model
-    sample-based eval: n samples per problem, scored and voted (``relign.evaluate.evaluate``)
-    write RUN/eval.json (settings + metrics + notes), RUN/samples.jsonl (one row per sample),
-          RUN/metrics.jsonl (eval/<metric> at step 0, for the report), and print the summary
+    strategy=sample: n samples per problem, scored and voted (``relign.evaluate.evaluate``)
+          write RUN/eval.json (settings + metrics + notes), RUN/samples.jsonl (one row per sample)
+    strategy=<search>: every problem searched in lockstep batches (``strategies.evaluation``)
+          write RUN/eval.json, RUN/search.jsonl (answer, candidates, cost, tree per problem)
+    sweep.strategies x sweep.budgets: one search per cell, RUN/search/<strategy>_<budget>.jsonl,
+          RUN/sweep.json + sweep.md (the table) + accuracy_vs_tokens.svg (the chart)
+    RUN/metrics.jsonl (eval/<metric> at step 0, for the report), and print the summary
 
 The loop itself (``evaluate``) lives in ``relign.evaluate``, shared with RL's ``eval.every``
 and the demo; metrics and the samples' schema are in docs/eval.md.
@@ -13,14 +19,20 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint import atomic_write_text, seed_everything
 from ..config import ConfigError, LoggingConfig, ModelConfig, make_run_dir, save_resolved_config
 from ..envs.base import Task
-from ..envs.tasks import build_task
+from ..envs.rewards import RewardPool
+from ..envs.tasks import build_task, encode_problems
+from ..report_search import sweep_chart_svg, sweep_series
+from ..strategies.base import Budget
+from ..strategies.evaluation import search_eval, sweep_markdown
+from ..strategies.registry import NEEDS_SCORER, STRATEGIES, TREE, make_strategy
+from ..strategies.scorers import SCORERS, TaskRuleScorer, check_reference, load_scorer, looks_like_hub_id
 from ..evaluate import evaluate, format_summary, write_samples
 from ..models.loading import load_tokenizer, resolve_device
 from ..tracking import Tracker
@@ -58,9 +70,86 @@ class TaskConfig:
 
 
 @dataclass
+class BudgetConfig:
+    max_generated_tokens: int | None = None
+    """Generated tokens per question, rollouts and expansions included (the equal-compute unit)."""
+    max_samples: int | None = None
+    """Whole samples per question (cot, majority, best_of_n, weighted_majority)."""
+    max_simulations: int | None = None
+    """Rounds per question of a tree strategy (MCTS simulations, beam steps)."""
+
+
+@dataclass
+class SearchConfig:
+    temperature: float = 0.7
+    """Sampling temperature of every search strategy (the top-level temperature is the sample eval's)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass of the search (1 = off)."""
+    delimiter: str = "\n"
+    """Where a reasoning step ends (chat models often use '\\n\\n')."""
+    step_max_tokens: int = 128
+    """Longest step of step_beam / mcts; a longer one is cut and continued by the next expansion."""
+    max_depth: int = 16
+    """Steps on a path of step_beam / mcts; the step that reaches it is generated to the end."""
+    answer_marker: str = ""
+    """Text that marks a final step (empty: the task's own, e.g. '####' for gsm8k)."""
+    aggregate: str = "last"
+    """Per-step scores to one: last, min, prod or mean (a PRM's steps)."""
+    round_size: int = 4
+    """Samples per question per engine call (cot, majority, best_of_n, weighted_majority)."""
+    width: int = 4
+    """Children per MCTS expansion; next steps per kept beam in step_beam."""
+    beams: int = 4
+    """Beams kept after each step_beam round."""
+    beam_select: str = "argmax"
+    """step_beam's answer among complete beams: argmax or weighted_vote."""
+    rule: str = "puct"
+    """MCTS selection: puct (AlphaMath) or uct (rStar)."""
+    c_puct: float = 1.25
+    """PUCT exploration weight."""
+    c_uct: float = 2.0
+    """UCT exploration weight."""
+    prior: str = "normalized"
+    """MCTS prior: exp(mean step log-prob), normalized over siblings or raw."""
+    distinct: bool = True
+    """MCTS re-draws duplicate steps (up to 3 x width); false merges them."""
+    leaf_eval: str = "scorer"
+    """MCTS leaf value: scorer, or rollout (K continuations to the end, scored)."""
+    rollouts: int = 4
+    """K of leaf_eval=rollout."""
+    answer: str = "best_terminal"
+    """MCTS answer: best_terminal, visits, weighted_vote or top_k_vote."""
+    top_k: int = 4
+    """Candidates that vote with answer=top_k_vote."""
+    batch_problems: int = 64
+    """Questions searched together (lockstep: one engine call per round for all of them)."""
+    scorer_batch_size: int = 16
+    """Solutions per forward pass of a learned scorer."""
+
+
+@dataclass
+class SweepConfig:
+    strategies: list[str] = field(default_factory=list)
+    """Strategies to compare (empty with budgets set: the one 'strategy')."""
+    budgets: list[int] = field(default_factory=list)
+    """max_generated_tokens per question for each cell (empty: budget.max_generated_tokens)."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    strategy: str = "sample"
+    """sample (n samples per problem: pass@k, maj@k), or a search: cot, majority, best_of_n, weighted_majority, step_beam, mcts."""
+    scorer: str = ""
+    """What ranks or guides a search: verifier, rm, prm (scorer_path), or rule (only where the reward needs no gold answer)."""
+    scorer_path: str = ""
+    """Checkpoint folder of a verifier / rm / prm scorer."""
+    step_tag: str = " ки"
+    """The PRM's step tag (one token of its tokenizer), placed after every step it scores."""
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     n: int = 1
     """Samples per problem."""
     k: int = 0
@@ -117,6 +206,7 @@ def train(cfg: Config) -> RunResult:
     t, m = cfg.task, cfg.model
     task = build_task(t.name, path=t.path, reward_fn=t.reward_fn, chat=t.chat, system_prompt=t.system_prompt,
                       format_weight=t.format_weight, extract_fn=t.extract_fn, equal_fn=t.equal_fn)
+    cells = _check_search(cfg, task) if cfg.strategy != "sample" or cfg.sweep.strategies else []
     device = resolve_device(cfg.device)
     seed_everything(cfg.seed)
     run_dir = make_run_dir(cfg.run_dir, "eval")
@@ -124,6 +214,8 @@ def train(cfg: Config) -> RunResult:
     records = task.load(t.path or None, t.split or None, max_rows=t.max_rows)
     tok = load_tokenizer(m.tokenizer or m.path, trust_remote_code=m.trust_remote_code)
     model = build.load_frozen(m.path, m, device)
+    if cells:
+        return _search(cfg, cells, task, model, tok, records, run_dir, device)
 
     t0 = time.perf_counter()
     summary, rows, notes = _sample_eval(cfg, ks, task, model, tok, records)
@@ -167,10 +259,140 @@ def _sample_eval(cfg: Config, ks: list[int], task: Task, model, tok, records: li
     return summary, rows, notes
 
 
-def _save(run_dir: Path, lg: LoggingConfig, result: dict[str, Any], rows: list[dict]) -> None:
+# --------------------------------------------------------------------------- inference-time search
+
+
+def _strategy_options(cfg: Config, name: str) -> dict[str, Any]:
+    """The search knobs a strategy takes, from ``search.*`` (and the sample eval's length and stop)."""
+    s = cfg.search
+    common = dict(temperature=s.temperature, top_p=s.top_p, max_new_tokens=cfg.max_new_tokens, delimiter=s.delimiter,
+                  aggregate=s.aggregate)
+    tree = dict(step_max_tokens=s.step_max_tokens, max_depth=s.max_depth, answer_marker=s.answer_marker or None)
+    if name == "mcts":
+        return {**common, **tree, "width": s.width, "c_puct": s.c_puct, "rule": s.rule, "c_uct": s.c_uct,
+                "prior": s.prior, "distinct": s.distinct, "leaf_eval": s.leaf_eval, "rollouts": s.rollouts,
+                "answer": s.answer, "top_k": s.top_k}
+    if name == "step_beam":
+        return {**common, **tree, "beams": s.beams, "width": s.width, "select": s.beam_select}
+    return {**common, "stop": tuple(cfg.stop), "round_size": s.round_size}
+
+
+def _check_search(cfg: Config, task: Task) -> list[tuple[str, Budget]]:
+    """Everything a search eval can get wrong, before a model is loaded; returns its cells
+    (strategy, budget): one, or the sweep's strategies x budgets."""
+    names = list(cfg.sweep.strategies) or [cfg.strategy]
+    bad = [n for n in names if n not in STRATEGIES]
+    if bad:
+        raise ConfigError(f"unknown strategy {', '.join(map(repr, bad))}; choose one of sample, {', '.join(STRATEGIES)}")
+    if cfg.scorer and cfg.scorer not in SCORERS:
+        raise ConfigError(f"unknown scorer {cfg.scorer!r}; choose one of {', '.join(SCORERS)}")
+    needing = [n for n in names if n in NEEDS_SCORER]
+    if needing and not cfg.scorer:
+        raise ConfigError(f"strategy {', '.join(needing)} ranks solutions and needs a scorer: set scorer=verifier|rm|prm "
+                          "and scorer_path (or scorer=rule for a task whose reward needs no gold answer)")
+    if cfg.scorer == "rule":
+        try:  # relign eval never lets a search read the gold answer
+            check_reference(TaskRuleScorer(task), task, allow_reference=False)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    elif cfg.scorer and not cfg.scorer_path:
+        raise ConfigError(f"scorer={cfg.scorer} needs scorer_path (a {cfg.scorer} checkpoint folder)")
+    elif cfg.scorer and not Path(cfg.scorer_path).expanduser().exists() and not looks_like_hub_id(cfg.scorer_path):
+        raise ConfigError(f"scorer_path {cfg.scorer_path!r} does not exist")
+    if any(n in TREE for n in names) and not (cfg.search.answer_marker or task.answer_marker):
+        raise ConfigError(f"task '{task.name}' has no answer marker, which step_beam and mcts need to tell a final step: "
+                          "set search.answer_marker (e.g. '####')")
+    if cfg.search.temperature <= 0 and any(n != "cot" for n in names):
+        raise ConfigError("search.temperature must be > 0: every strategy but cot draws several different samples")
+    b = cfg.budget
+    budgets = list(cfg.sweep.budgets) or [b.max_generated_tokens]
+    cells = []
+    try:
+        for n in names:
+            for tokens in budgets:
+                cells.append((n, Budget(max_generated_tokens=tokens, max_samples=b.max_samples,
+                                        max_simulations=b.max_simulations)))
+            make_strategy(n, None, **_strategy_options(cfg, n))  # bad option values fail here
+    except ValueError as e:
+        raise ConfigError(f"budget/search: {e}") from None
+    return cells
+
+
+def _search(cfg: Config, cells: list[tuple[str, Budget]], task: Task, model, tok, records: list[dict], run_dir: Path,
+            device) -> RunResult:
+    """Run every (strategy, budget) cell on the same problems; write its files and the sweep's table."""
+    t = cfg.task
+    try:
+        problems, skipped = encode_problems(tok, records, max_prompt_length=t.max_prompt_length)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not problems:
+        raise ConfigError(f"nothing to evaluate: {len(records)} records, {skipped} longer than task.max_prompt_length")
+    engine = build.engine_for("hf", model, tok, max_batch_rows=cfg.max_batch_rows, seed=cfg.seed)
+    scorer = None
+    pool = RewardPool.from_task(task, num_workers=t.reward_workers, timeout=t.reward_timeout)
+    try:
+        if cfg.scorer:
+            try:
+                scorer = load_scorer(cfg.scorer, task=task, path=cfg.scorer_path, pool=pool, device=device,
+                                     step_tag=cfg.step_tag, batch_size=cfg.search.scorer_batch_size, dtype=cfg.model.dtype,
+                                     trust_remote_code=cfg.model.trust_remote_code)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"scorer={cfg.scorer} scorer_path={cfg.scorer_path}: {e}") from None
+        sweep_rows = []
+        for name, budget in cells:
+            strategy = make_strategy(name, tok, **_strategy_options(cfg, name))
+            summary, rows = search_eval(strategy, engine, task, problems, budget=budget,
+                                        scorer=scorer if name in NEEDS_SCORER else None, seed=cfg.seed, pool=pool,
+                                        batch_problems=cfg.search.batch_problems, correct_threshold=cfg.correct_threshold,
+                                        progress=cfg.logging.progress, desc=f"{name} {task.name}")
+            file = "search.jsonl" if len(cells) == 1 else f"search/{name}_{budget.max_generated_tokens or 'none'}.jsonl"
+            write_samples(run_dir / file, rows)
+            sweep_rows.append({"strategy": name, "scorer": cfg.scorer if name in NEEDS_SCORER else "",
+                               "budget": budget.max_generated_tokens, **summary, "file": file})
+            print(f"{name} (budget {budget.max_generated_tokens or '-'}): accuracy {summary['accuracy']:.3f} "
+                  f"[{summary['ci_low']:.3f}, {summary['ci_high']:.3f}], {summary['tokens_per_question']:.0f} tokens/question, "
+                  f"{summary['engine_calls']:.0f} engine calls, {summary['wall_s']:.1f}s")
+    finally:
+        pool.close()
+    head = {"model": cfg.model.path, "task": task.name, "scorer": cfg.scorer, "seed": cfg.seed,
+            "num_problems": len(problems), "skipped_long": skipped}
+    if len(cells) > 1:
+        atomic_write_text(run_dir / "sweep.json", json.dumps({**head, "rows": sweep_rows}, indent=2) + "\n")
+        atomic_write_text(run_dir / "sweep.md", sweep_markdown(sweep_rows))
+        series = sweep_series(sweep_rows)[0]
+        svg, _ = sweep_chart_svg(series)
+        atomic_write_text(run_dir / "accuracy_vs_tokens.svg", _standalone_svg(svg, [label for label, _ in series]))
+    first = sweep_rows[0]
+    metrics = {k: v for k, v in first.items() if isinstance(v, float)} if len(cells) == 1 else {}
+    result = {**head, "strategy": cfg.strategy if len(cells) == 1 else "sweep", "budget": asdict(cfg.budget),
+              "search": asdict(cfg.search), "metrics": metrics, "cells": sweep_rows, "notes": []}
+    _save(run_dir, cfg.logging, result, None)
+    return RunResult(run_dir=run_dir, steps=0, metrics=metrics)
+
+
+_SVG_STYLE = ("<style>.grid{stroke:#eef0f2}.frame{fill:none;stroke:#d0d7de}.tick,.axis-title{font:10px sans-serif;"
+              "fill:#57606a}.line,.errbar{fill:none;stroke-width:1.5}.pt{stroke:#fff}.legend{font:11px sans-serif}</style>")
+
+
+def _standalone_svg(svg: str, labels: list[str]) -> str:
+    """The report's sweep chart as a file a browser opens on its own: namespace, styles, legend."""
+    import html
+
+    from ..report import PALETTE
+
+    legend = "".join(f'<text class="legend" x="60" y="{24 + 14 * i}" fill="{PALETTE[i % len(PALETTE)]}">'
+                     f"\u25cf {html.escape(label)}</text>" for i, label in enumerate(labels))
+    svg = svg.replace("<svg", '<svg xmlns="http://www.w3.org/2000/svg"', 1) if "xmlns=" not in svg else svg
+    head_end = svg.index(">") + 1
+    return svg[:head_end] + _SVG_STYLE + svg[head_end:].replace("</svg>", legend + "</svg>") + "\n"
+
+
+def _save(run_dir: Path, lg: LoggingConfig, result: dict[str, Any], rows: list[dict] | None) -> None:
     """eval.json, samples.jsonl, and the metrics as eval/<metric> at step 0 in metrics.jsonl (and TensorBoard / W&B)."""
     atomic_write_text(run_dir / "eval.json", json.dumps(result, indent=2) + "\n")
-    write_samples(run_dir / "samples.jsonl", rows)
+    if rows is not None:
+        write_samples(run_dir / "samples.jsonl", rows)
     tracker = Tracker(run_dir, total_steps=0, desc="eval", progress=False, tensorboard=lg.tensorboard, wandb=lg.wandb,
                       wandb_project=lg.wandb_project, run_name=lg.run_name)
     tracker.log(0, {f"eval/{k}": v for k, v in result["metrics"].items()}, advance=False)

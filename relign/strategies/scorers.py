@@ -170,7 +170,7 @@ def load_scorer(name: str, *, task=None, path: str = "", pool=None, device="cpu"
         return TaskRuleScorer(task, pool)
     if not path:
         raise ValueError(f"scorer={name} needs scorer_path (a {name} checkpoint folder)")
-    if not Path(path).expanduser().exists() and not _looks_like_hub_id(path):
+    if not Path(path).expanduser().exists() and not looks_like_hub_id(path):
         raise FileNotFoundError(f"scorer_path {path!r} does not exist")
     common = dict(device=device, batch_size=batch_size, dtype=dtype, trust_remote_code=trust_remote_code)
     if name == "verifier":
@@ -180,7 +180,7 @@ def load_scorer(name: str, *, task=None, path: str = "", pool=None, device="cpu"
     return PRMScorer(path, step_tag=step_tag, **common)
 
 
-def _looks_like_hub_id(path: str) -> bool:
+def looks_like_hub_id(path: str) -> bool:
     """``org/name`` with no local meaning: a hub id (loading it needs the network)."""
     parts = path.split("/")
     return len(parts) == 2 and all(parts) and not path.startswith((".", "~"))
