@@ -32,7 +32,9 @@ class Budget:
     """Per-problem limits; a strategy stops a problem at the first one reached.
 
     A strategy checks the budget before each round, so the generated tokens it reports exceed
-    ``max_generated_tokens`` by at most one round (one expansion) of one problem.
+    ``max_generated_tokens`` by at most one round (one expansion) of one problem. Tree
+    strategies judge a round by the previous one's cost and stop before it would cross the
+    budget; a tree left without a complete solution then spends one finishing continuation.
     """
 
     max_generated_tokens: int | None = None

@@ -5,8 +5,9 @@ Each round, for every problem of the batch in one engine call: every kept beam p
 ``width`` next steps (the first round: the prompt proposes ``beams * width``), each stopped
 at the step delimiter; the scorer reads every partial solution (one batched call); complete
 solutions (answer marker or EOS) are set aside as candidates; the best ``beams`` of the rest
-are kept. The last round (at ``max_depth``, at ``budget.max_simulations``, or when one more
-step round would spend the token budget) generates to the end. The answer is the best-scored
+are kept. The last round (at ``max_depth`` or ``budget.max_simulations``) generates to the end. A
+round starts only if, judged by the previous round, it stays within the token budget; a
+question left with no complete solution then continues its best beam once to the end. The answer is the best-scored
 complete solution (``select=argmax``) or a score-weighted vote (``weighted_vote``).
 """
 
@@ -19,6 +20,8 @@ from ..rollout.engine import SamplingParams, derive_seed
 from .base import Budget, Candidate, Cost, Problem, SearchResult
 from .common import BudgetClock, ScoreJob, answer_of, check_scorer, equal_fn, score_jobs, select_candidate, step_texts
 from .sample import continue_prefixes
+
+_FINISH = 0xF1515  # seed tag of the finishing continuation
 
 
 @dataclass
@@ -72,39 +75,13 @@ class StepBeam:
         last_round = [0] * len(problems)  # tokens the previous round cost
         failed: dict[int, str] = {}
         while True:
-            live = [i for i in range(len(problems)) if i not in failed and active[i] and clocks[i].allows(costs[i])
-                    and len(done[i]) < self.beams * self.width]
+            # a round starts only if, judged by the previous one, it stays within the token budget
+            live = [i for i in range(len(problems)) if i not in failed and active[i] and len(done[i]) < self.beams * self.width
+                    and clocks[i].allows(costs[i], last_round[i])]
             if not live:
                 break
-            asks: dict[tuple, list[tuple[int, int, _Beam]]] = {}  # (n, max_new, final) -> (problem, beam index, beam)
-            for i in live:
-                b = budget
-                final = (clocks[i].rounds + 1 >= self.max_depth
-                         or (b.max_simulations is not None and clocks[i].rounds + 1 >= b.max_simulations)
-                         or (b.max_generated_tokens is not None and costs[i].generated_tokens + last_round[i] >= b.max_generated_tokens))
-                n = self.width if clocks[i].rounds else self.beams * self.width
-                for j, beam in enumerate(active[i]):
-                    room = self.max_new_tokens - len(beam.ids)
-                    key = (n, room if final else min(self.step_max_tokens, room), final)
-                    asks.setdefault(key, []).append((i, j, beam))
             spent0 = [c.generated_tokens for c in costs]
-            proposals: list[tuple[int, _Beam, list[int], str, object]] = []
-            for (n, max_new, final), reqs in asks.items():
-                params = SamplingParams(n=n, temperature=self.temperature, top_p=self.top_p, max_new_tokens=max_new,
-                                        stop=[] if final else [self.delimiter])
-                prefixes = [problems[i].prompt_ids + beam.ids for i, _, beam in reqs]
-                # seeded by (problem, round, beam rank): not by the request's place in the batch
-                seeds = [derive_seed(seed, problems[i].id, clocks[i].rounds, j) for i, j, _ in reqs]
-                outs = continue_prefixes(engine, prefixes, params, [costs[i] for i, _, _ in reqs], seeds=seeds)
-                for (i, j, beam), completions in zip(reqs, outs):
-                    for k, c in enumerate(completions):
-                        ids = beam.ids + list(c.token_ids)
-                        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-                        ended = c.finish_reason == "stop" and not isinstance(c.stop_reason, str)
-                        terminal = final or ended or marker in self.tokenizer.decode(c.token_ids, skip_special_tokens=True) \
-                            or len(ids) >= self.max_new_tokens
-                        proposals.append((i, _Beam(ids, depth=beam.depth + 1, rank=(j, k)), terminal, text, c.finish_reason))
-            proposals.sort(key=lambda x: (x[0], x[1].rank))  # the same order whatever the batch's grouping
+            proposals = self._propose(engine, problems, live, active, clocks, costs, seed, marker)
             jobs = [ScoreJob(i, step_texts(b.ids, self.tokenizer, self.delimiter, cache)) for i, b, *_ in proposals]
             scores = score_jobs(scorer, problems, jobs, costs, failed, self.aggregate)
             kept: dict[int, list[_Beam]] = {i: [] for i in live}
@@ -122,6 +99,7 @@ class StepBeam:
                 active[i] = ranked[: self.beams]
                 last_round[i] = costs[i].generated_tokens - spent0[i]
                 clocks[i].rounds += 1
+        self._finish(engine, task, problems, active, done, costs, failed, seed, scorer, cache)
         wall = time.perf_counter() - t0
         equal = equal_fn(task)
         results = []
@@ -134,3 +112,54 @@ class StepBeam:
             chosen = done[i][k] if k is not None else None
             results.append(SearchResult(chosen.answer if chosen else None, chosen, done[i], costs[i]))
         return results
+
+    def _propose(self, engine, problems: list[Problem], live: list[int], active: list[list[_Beam]],
+                 clocks: list[BudgetClock], costs: list[Cost], seed: int, marker: str) -> list[tuple]:
+        """Every live beam's next steps, one engine call per kind of step (a step, or the last
+        one at max_depth / max_simulations, which runs to the end): (problem, beam, terminal, text, finish)."""
+        asks: dict[tuple[int, bool], list[tuple[int, int, _Beam]]] = {}  # (n, final) -> (problem, beam rank, beam)
+        for i in live:
+            b = clocks[i].budget
+            final = clocks[i].rounds + 1 >= self.max_depth or (
+                b.max_simulations is not None and clocks[i].rounds + 1 >= b.max_simulations)
+            n = self.width if clocks[i].rounds else self.beams * self.width  # the prompt proposes for every beam
+            for j, beam in enumerate(active[i]):
+                asks.setdefault((n, final), []).append((i, j, beam))
+        proposals = []
+        for (n, final), reqs in asks.items():
+            params = SamplingParams(n=n, temperature=self.temperature, top_p=self.top_p,
+                                    max_new_tokens=self.max_new_tokens if final else self.step_max_tokens,
+                                    stop=[] if final else [self.delimiter])
+            prefixes = [problems[i].prompt_ids + beam.ids for i, _, beam in reqs]
+            # seeded by (problem, round, beam rank): not by the request's place in the batch
+            seeds = [derive_seed(seed, problems[i].id, clocks[i].rounds, j) for i, j, _ in reqs]
+            outs = continue_prefixes(engine, prefixes, params, [costs[i] for i, _, _ in reqs], seeds=seeds)
+            for (i, j, beam), completions in zip(reqs, outs):
+                for k, c in enumerate(completions):
+                    ids = beam.ids + list(c.token_ids)
+                    text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                    ended = c.finish_reason == "stop" and not isinstance(c.stop_reason, str)  # EOS, not the delimiter
+                    step = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                    terminal = final or ended or marker in step or len(ids) >= self.max_new_tokens
+                    proposals.append((i, _Beam(ids, depth=beam.depth + 1, rank=(j, k)), terminal, text, c.finish_reason))
+        proposals.sort(key=lambda x: (x[0], x[1].rank))  # the same order whatever the batch's grouping
+        return proposals
+
+    def _finish(self, engine, task, problems: list[Problem], active: list[list[_Beam]], done: list[list[Candidate]],
+                costs: list[Cost], failed: dict[int, str], seed: int, scorer, cache: dict[int, str]) -> None:
+        """A question whose budget ran out before any beam finished continues its best beam once
+        to the end (the one expansion it may spend over the budget), scored like any candidate."""
+        asks = [i for i in range(len(problems)) if i not in failed and not done[i] and active[i]]
+        if not asks:
+            return
+        params = SamplingParams(n=1, temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens)
+        outs = continue_prefixes(engine, [problems[i].prompt_ids + active[i][0].ids for i in asks], params,
+                                 [costs[i] for i in asks], seeds=[derive_seed(seed, problems[i].id, _FINISH) for i in asks])
+        finished = [(i, active[i][0].ids + list(c[0].token_ids), c[0].finish_reason) for i, c in zip(asks, outs)]
+        jobs = [ScoreJob(i, step_texts(ids, self.tokenizer, self.delimiter, cache)) for i, ids, _ in finished]
+        for (i, ids, finish), s in zip(finished, score_jobs(scorer, problems, jobs, costs, failed, self.aggregate)):
+            if i not in failed:
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                done[i].append(Candidate(ids, text, answer_of(task, text, problems[i].extra_info), score=s,
+                                         finish_reason=finish, meta={"kind": "finish", "depth": active[i][0].depth}))
+

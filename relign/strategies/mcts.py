@@ -404,11 +404,11 @@ class MCTS:
             return None
         visits = [tree.nodes[c.meta["node"]].N if c.meta.get("kind") == "terminal" else 0 for c in cands]
         if self.answer == "best_terminal":
-            return max(range(len(cands)), key=lambda k: (cands[k].score or 0.0, visits[k], -k))
+            return max(range(len(cands)), key=lambda k: (_score(cands[k]), visits[k], -k))
         if self.answer == "weighted_vote":
             return select_candidate(cands, "weighted_vote", equal)
         if self.answer == "top_k_vote":
-            top = sorted(range(len(cands)), key=lambda k: (-(cands[k].score or 0.0), k))[: self.top_k]
+            top = sorted(range(len(cands)), key=lambda k: (-_score(cands[k]), k))[: self.top_k]
             winner = majority(vote([cands[k].answer for k in top], equal))
             return top[winner[0]] if winner else None
         # visits: follow the most-visited child from the root to a terminal node
@@ -420,5 +420,10 @@ class MCTS:
             return at[0]
         under = [k for k, c in enumerate(cands) if c.meta.get("node") == v]  # rollouts from that leaf
         pool = under or list(range(len(cands)))
-        return max(pool, key=lambda k: (cands[k].score or 0.0, -k))
+        return max(pool, key=lambda k: (_score(cands[k]), -k))
+
+
+def _score(c: Candidate) -> float:
+    """A candidate's score for ranking; an unscored one ranks last (below any negative reward)."""
+    return c.score if c.score is not None else -math.inf
 

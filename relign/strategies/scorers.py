@@ -144,18 +144,19 @@ class PRMScorer:
         rows = [self.encode(p, s) for p, s in zip(problems, steps)]
         out: list[list[float]] = []
         for i in range(0, len(rows), self.batch_size):
-            chunk = rows[i : i + self.batch_size]
-            T = min(self.max_length, max(len(r[0]) for r in chunk))
+            # too long: keep the end, where the step tags are (the problem's start is cut instead)
+            chunk = [(r[-self.max_length:], [t - max(0, len(r) - self.max_length) for t in tags]) for r, tags in
+                     rows[i : i + self.batch_size]]
+            T = max(len(r) for r, _ in chunk)
             ids = torch.full((len(chunk), T), self.tok.pad_token_id or 0, dtype=torch.long)
             mask = torch.zeros((len(chunk), T), dtype=torch.long)
             for b, (r, _) in enumerate(chunk):
-                r = r[:T]
                 ids[b, : len(r)], mask[b, : len(r)] = torch.tensor(r), 1
             logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits.float()
             pair = torch.log_softmax(logits[..., [self.good_id, self.bad_id]], dim=-1)[..., 0].exp().cpu()  # [B, T]
             for b, (_, tags) in enumerate(chunk):
                 # the tag's own position predicts the label token that follows it
-                out.append([float(pair[b, t]) if t < T else 0.0 for t in tags])
+                out.append([float(pair[b, t]) if t >= 0 else 0.0 for t in tags])  # a tag cut off with the start: 0
         return out
 
 

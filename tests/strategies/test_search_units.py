@@ -67,12 +67,11 @@ def _run(setup: str, problems, budget: Budget, *, engine=None, seed: int = 0, **
 
 def _round_max(setup: str) -> int:
     """The most generated tokens one round of one problem can take (the budget's allowed overshoot)."""
-    opts, _ = SETUPS[setup]
     strat = _strategy(setup)
     if setup in ("cot", "majority", "best_of_n", "weighted_majority"):
         return strat.round_size * MAX_NEW
-    if setup == "step_beam":
-        return strat.beams * strat.width * MAX_NEW
+    if setup == "step_beam":  # a round to the end (max_depth), plus a finishing continuation of one beam
+        return strat.beams * strat.width * MAX_NEW + MAX_NEW
     # mcts: up to 3 * width step draws, plus the finishing rollout; rollout leaves add K per new child
     out = 3 * strat.width * strat.step_max_tokens + MAX_NEW
     if strat.leaf_eval == "rollout":
@@ -207,6 +206,24 @@ def test_small_tree_is_searched_to_exhaustion():
     assert eng.calls < 20
 
 
+@pytest.mark.parametrize("name,opts", [
+    ("mcts", {"max_depth": 2}), ("step_beam", {"max_depth": 2}), ("mcts", {"rule": "uct"}), ("mcts", {"prior": "raw"}),
+    ("mcts", {"answer": "visits"}), ("mcts", {"answer": "weighted_vote"}), ("mcts", {"answer": "top_k_vote", "top_k": 2}),
+    ("mcts", {"answer": "visits", "leaf_eval": "rollout", "rollouts": 2}), ("step_beam", {"select": "weighted_vote"}),
+])
+def test_tree_search_variants_run_and_count_tokens(name, opts):
+    eng = trap_engine()
+    results = make_strategy(name, TOK, max_new_tokens=MAX_NEW, **opts).search(
+        eng, TASK, toy_problems(6), budget=Budget(max_generated_tokens=120), scorer=NoisyVerifier(eng.trees))
+    assert sum(r.cost.generated_tokens for r in results) == eng.tokens_generated
+    for r in results:
+        assert r.error is None and r.answer is not None and r.chosen in r.candidates
+        if opts.get("max_depth") == 2:  # the step that reaches max_depth runs to the end
+            assert all(c.meta["depth"] <= 2 and c.answer is not None for c in r.candidates)
+            if r.tree is not None:
+                assert max(n["depth"] for n in r.tree) <= 2
+
+
 # --------------------------------------------------------------------------- token accounting
 
 
@@ -263,17 +280,18 @@ def test_continue_prefixes_length_mismatch_raises():
 
 
 def test_distinct_expansion_of_a_single_child_node():
+    # every node has one child: all width draws are the same step
     width = 4
-    for distinct, want_calls in ((True, (2, 3)), (False, (1, 1))):
+    for distinct, attempts in ((True, 2), (False, 1)):
         eng = FakeTreeEngine(lambda i: random_tree(i, depth=4, branching=1), TOK)
         [res] = make_strategy("mcts", TOK, max_new_tokens=MAX_NEW, width=width, distinct=distinct).search(
             eng, TASK, toy_problems(1), budget=Budget(max_simulations=1), scorer=ExactVerifier(eng.trees))
-        expansions = [(p, n) for p, n in eng.call_log if n == width]
-        assert want_calls[0] <= len(expansions) <= want_calls[1]
+        expansions = [(p, n) for p, n in eng.call_log if n == width]  # (the finishing rollout has n = 1)
+        # distinct: the first attempt finds the one child, the second finds nothing new and the
+        # leaf stops there (at most 3 attempts, 3 * width draws); merged: exactly one attempt
+        assert expansions == [(1, width)] * attempts
         assert sum(p * n for p, n in expansions) <= 3 * width
         assert [n["parent"] for n in res.tree] == [None, 0]  # the root got exactly one child
-    # the second attempt found nothing new: the leaf stops there (no third attempt)
-    assert len(expansions) == 1
 
 
 class _OneNewStepEngine:
@@ -542,10 +560,11 @@ def test_select_candidate_hand_checked():
     assert select_candidate(cands, "argmax") == 3
     # weighted_vote: "5" = 0.3 + 0.9 = 1.2 > "7" = 0.2 + 0.4 + 0.1 = 0.7 -> the best-scored "5"
     assert select_candidate(cands, "weighted_vote") == 2
-    # a task equivalence merges "5" and "5.0": "5" then has 3 votes + the tie goes to the first seen
+    # a task equivalence merges "5" and "5.0": "7" (2 votes) then ties with "5" (2), and the tie
+    # goes to the answer seen first
     eq = lambda a, b: float(a) == float(b)  # noqa: E731
     c2 = _cands(["5", "7", "5.0", "7"], [0.1, 0.1, 0.1, 0.1])
-    assert select_candidate(c2, "vote") == 0
+    assert select_candidate(c2, "vote") == 1
     assert select_candidate(c2, "vote", eq) == 0
     c3 = _cands(["7", "5", "5.0"], [0.1, 0.1, 0.1])
     assert select_candidate(c3, "vote") == 0 and select_candidate(c3, "vote", eq) == 1
