@@ -102,6 +102,8 @@ def _peak_rss_mb() -> float:
 def run_mode(mode: str, strategy, engine: CountingEngine, task, problems, budget, scorer, seed: int) -> dict:
     """One timed search of every problem: all at once (lockstep) or one ``search`` call each."""
     engine.calls = engine.rows = 0
+    if engine.prefix_cache is not None:  # each run starts cold: no keys/values from the run before
+        engine.prefix_cache.clear()
     _reset_peak()
     c0, t0 = time.process_time(), time.perf_counter()
     if mode == "lockstep":
@@ -128,6 +130,8 @@ def main(argv=None) -> None:
     p.add_argument("--step-max-tokens", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-batch-rows", type=int, default=256, help="HFEngine rows per forward chunk")
+    p.add_argument("--prefix-cache-mb", type=int, default=512,
+                   help="HFEngine prefix cache (keys/values of earlier prefixes; 0 = off), as relign eval uses it")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--device", default="cpu")
@@ -152,7 +156,8 @@ def main(argv=None) -> None:
     model = model.to(a.device, torch.float32).eval()
     task = build_task("gsm8k", chat=tok.chat_template is not None)
     problems, _ = encode_problems(tok, task.load(max_rows=a.problems))
-    engine = CountingEngine(engine_for("hf", model, tok, max_batch_rows=a.max_batch_rows, seed=a.seed))
+    engine = CountingEngine(engine_for("hf", model, tok, max_batch_rows=a.max_batch_rows, seed=a.seed,
+                                       prefix_cache_bytes=a.prefix_cache_mb << 20))
     opts = dict(width=a.width, step_max_tokens=a.step_max_tokens, max_new_tokens=a.max_new_tokens,
                 max_depth=a.max_depth, delimiter="\n")
     strategy = make_strategy("mcts", tok, **opts)
@@ -195,7 +200,7 @@ def main(argv=None) -> None:
                   "torch_threads": torch.get_num_threads(), "problems": len(problems), "task": "gsm8k (shipped test set)",
                   "chat_template": tok.chat_template is not None,
                   "prompt_tokens_mean": sum(len(q.prompt_ids) for q in problems) / len(problems),
-                  "mcts": opts, "simulations": a.simulations, "max_batch_rows": a.max_batch_rows,
+                  "mcts": opts, "simulations": a.simulations, "max_batch_rows": a.max_batch_rows, "prefix_cache_mb": a.prefix_cache_mb,
                   "scorer": "HashScorer (blake2b of the step texts -> [0,1), no model)", "repeats": a.repeats,
                   "seed": a.seed},
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),

@@ -56,13 +56,15 @@ def tracker_for(lg: LoggingConfig, run_dir, *, total_steps: int, start_step: int
                    run_name=lg.run_name)
 
 
-def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows: int, seed: int):
+def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows: int, seed: int, prefix_cache_bytes: int = 0):
     """The rollout engine, built before the policy is sharded.
 
     hf, one process: the engine samples from the policy module itself (no second copy, and
     ``load_weights`` copies nothing). Under torchrun the policy is about to be sharded and
     each rank samples on its own, so the engine gets a full replica of it, in eval mode and
     without gradients, that ``load_weights`` refreshes after every update.
+    ``prefix_cache_bytes`` > 0 keeps the keys/values of earlier prompts for prompts that extend
+    them (tree search; cleared whenever the weights change).
     """
     if kind not in ENGINES:
         raise ConfigError(f"bad value for 'rollout.engine': {kind!r}; choose one of {', '.join(ENGINES)}")
@@ -71,7 +73,7 @@ def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows:
     model = policy
     if distributed.world_size() > 1:
         model = copy.deepcopy(policy).eval().requires_grad_(False)
-    return HFEngine(model, tokenizer, max_batch_rows=max_batch_rows, seed=seed)
+    return HFEngine(model, tokenizer, max_batch_rows=max_batch_rows, seed=seed, prefix_cache_bytes=prefix_cache_bytes)
 
 
 def task_for(t: TaskConfig):

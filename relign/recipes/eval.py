@@ -125,6 +125,8 @@ class SearchConfig:
     """Questions searched together (lockstep: one engine call per round for all of them)."""
     scorer_batch_size: int = 16
     """Solutions per forward pass of a learned scorer."""
+    prefix_cache_mb: int = 512
+    """Keys/values of earlier prefixes the engine keeps for the prefixes that extend them (0 = off)."""
 
 
 @dataclass
@@ -328,7 +330,8 @@ def _search(cfg: Config, cells: list[tuple[str, Budget]], task: Task, model, tok
         raise ConfigError(str(e)) from None
     if not problems:
         raise ConfigError(f"nothing to evaluate: {len(records)} records, {skipped} longer than task.max_prompt_length")
-    engine = build.engine_for("hf", model, tok, max_batch_rows=cfg.max_batch_rows, seed=cfg.seed)
+    engine = build.engine_for("hf", model, tok, max_batch_rows=cfg.max_batch_rows, seed=cfg.seed,
+                              prefix_cache_bytes=cfg.search.prefix_cache_mb << 20)
     scorer = None
     pool = RewardPool.from_task(task, num_workers=t.reward_workers, timeout=t.reward_timeout)
     try:

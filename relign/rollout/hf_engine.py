@@ -28,6 +28,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .engine import Completion, SamplingParams, derive_seed
+from .prefix_cache import PrefixCache
 
 
 def sample_tokens(
@@ -132,8 +133,11 @@ def growing_cache(config, capacity: int) -> DynamicCache:
 class HFEngine:
     """Batched sampling on a transformers causal LM (see the module docstring)."""
 
-    def __init__(self, model, tokenizer, *, max_batch_rows: int = 256, seed: int = 0, compact_fraction: float = 0.25):
+    def __init__(self, model, tokenizer, *, max_batch_rows: int = 256, seed: int = 0, compact_fraction: float = 0.25,
+                 prefix_cache_bytes: int = 0):
         self.model = model
+        # keys/values of earlier prompts, for prompts that extend them (tree search); 0 = off
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.tokenizer = tokenizer
         self.max_batch_rows = max_batch_rows
         self.compact_fraction = compact_fraction
@@ -156,6 +160,8 @@ class HFEngine:
         Returns the number of tensors copied."""
         params = dict(self.model.named_parameters())
         copied = 0
+        if self.prefix_cache is not None:  # cached keys/values belong to the old weights
+            self.prefix_cache.clear()
         with torch.no_grad():
             for name, tensor in named_tensors:
                 p = params.get(name)
@@ -167,6 +173,8 @@ class HFEngine:
         return copied
 
     def sleep(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -215,16 +223,19 @@ class HFEngine:
                         seeds: list[int] | None = None) -> list[Completion]:
         dev = self.device
         P = len(prompts)
-        L = max(len(p) for p in prompts)
-        input_ids = torch.full((P, L), self.pad_id, dtype=torch.long, device=dev)
-        attn = torch.zeros((P, L), dtype=torch.long, device=dev)
-        for i, p in enumerate(prompts):  # left padding: every row's next token is at column L
-            input_ids[i, L - len(p):] = torch.tensor(p, device=dev)
-            attn[i, L - len(p):] = 1
-        pos = (attn.cumsum(-1) - 1).clamp_min(0)
-        cache = growing_cache(self.model.config, L + params.max_new_tokens)
-        logits = self._forward(input_ids, attn, pos, cache, prefill=True)
-        next_pos = pos[:, -1] + 1
+        cache = growing_cache(self.model.config, max(len(p) for p in prompts) + params.max_new_tokens)
+        if self.prefix_cache is not None and all(isinstance(x, GrowingLayer) for x in cache.layers):
+            logits, attn, next_pos = self._prefill_cached(prompts, cache, params.max_new_tokens)
+        else:
+            L = max(len(p) for p in prompts)
+            input_ids = torch.full((P, L), self.pad_id, dtype=torch.long, device=dev)
+            attn = torch.zeros((P, L), dtype=torch.long, device=dev)
+            for i, p in enumerate(prompts):  # left padding: every row's next token is at column L
+                input_ids[i, L - len(p):] = torch.tensor(p, device=dev)
+                attn[i, L - len(p):] = 1
+            pos = (attn.cumsum(-1) - 1).clamp_min(0)
+            logits = self._forward(input_ids, attn, pos, cache, prefill=True)
+            next_pos = pos[:, -1] + 1
         if n > 1:  # one prefill per prompt, then n copies of its cache
             cache.batch_repeat_interleave(n)
             logits = logits.repeat_interleave(n, dim=0)
@@ -282,6 +293,54 @@ class HFEngine:
             next_pos = next_pos + 1
 
         return [self._completion(tokens_out[r], logps_out[r], finish[r] or "length", reason[r], stops) for r in range(R)]
+
+    def _prefill_cached(self, prompts: list[list[int]], cache: DynamicCache, max_new_tokens: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prefill with the prefix cache: each prompt's longest cached prefix is copied into the
+        KV cache and only the rest is computed. Returns (last logits, attention mask, next positions).
+
+        Row layout (Lp = the longest reused prefix, Ls = the longest rest)::
+
+            [pad .. cached prefix (ℓ_i)] [pad .. rest of the prompt]      every row ends at column Lp + Ls
+             <----------- Lp ----------> <------------ Ls ---------->
+
+        The pads between the two parts are masked out and the positions run on from ℓ_i, so each
+        row computes what the whole prompt would (to fp32 rounding). Every prompt's keys and
+        values are then stored for the prompts that will extend it.
+        """
+        dev, P = self.device, len(prompts)
+        hits = [self.prefix_cache.lookup(p) for p in prompts]
+        Lp = max(n for n, _ in hits)
+        rest = [p[n:] for p, (n, _) in zip(prompts, hits)]
+        Ls = max(len(r) for r in rest)
+        if Lp:  # the reused keys/values, right-aligned in the first Lp columns
+            H, D = next(kv for _, kv in hits if kv is not None)[0][0].shape[::2]
+            for li, layer in enumerate(cache.layers):
+                ref = next(kv for _, kv in hits if kv is not None)[li][0]
+                layer.lazy_initialization(ref, ref)
+                layer.k_buf = ref.new_zeros(P, H, Lp + Ls + max_new_tokens, D)
+                layer.v_buf = ref.new_zeros(P, H, Lp + Ls + max_new_tokens, D)
+                for i, (n, kv) in enumerate(hits):
+                    if n:
+                        layer.k_buf[i, :, Lp - n : Lp] = kv[li][0]
+                        layer.v_buf[i, :, Lp - n : Lp] = kv[li][1]
+                layer.length = Lp
+                layer._views()
+        input_ids = torch.full((P, Ls), self.pad_id, dtype=torch.long, device=dev)
+        attn = torch.zeros((P, Lp + Ls), dtype=torch.long, device=dev)
+        pos = torch.zeros((P, Ls), dtype=torch.long, device=dev)
+        for i, ((n, _), r) in enumerate(zip(hits, rest)):
+            input_ids[i, Ls - len(r):] = torch.tensor(r, device=dev)
+            attn[i, Lp - n : Lp] = 1
+            attn[i, Lp + Ls - len(r):] = 1
+            pos[i, Ls - len(r):] = torch.arange(n, n + len(r), device=dev)
+        logits = self._forward(input_ids, attn, pos, cache, prefill=True)
+        for i, ((n, _), p) in enumerate(zip(hits, prompts)):
+            cols = torch.cat([torch.arange(Lp - n, Lp, device=dev), torch.arange(Lp + Ls - len(rest[i]), Lp + Ls, device=dev)])
+            self.prefix_cache.store(p, [(layer.k_buf[i][:, cols].clone(), layer.v_buf[i][:, cols].clone())
+                                        for layer in cache.layers])
+        next_pos = torch.tensor([len(p) for p in prompts], device=dev)
+        return logits, attn, next_pos
 
     def _forward(self, ids, attn, pos, cache, *, prefill: bool) -> torch.Tensor:
         kwargs = {"logits_to_keep": 1} if prefill else {}
