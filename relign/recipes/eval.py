@@ -369,7 +369,9 @@ def _search(cfg: Config, cells: list[tuple[str, Budget]], task: Task, model, tok
     first = sweep_rows[0]
     metrics = {k: v for k, v in first.items() if isinstance(v, float)} if len(cells) == 1 else {}
     result = {**head, "strategy": cfg.strategy if len(cells) == 1 else "sweep", "budget": asdict(cfg.budget),
-              "search": asdict(cfg.search), "metrics": metrics, "cells": sweep_rows, "notes": []}
+              "search": asdict(cfg.search), "metrics": metrics, "notes": []}
+    if len(cells) > 1:
+        result["sweep"] = {"strategies": [n for n, _ in cells], "file": "sweep.json"}
     _save(run_dir, cfg.logging, result, None)
     return RunResult(run_dir=run_dir, steps=0, metrics=metrics)
 

@@ -115,3 +115,13 @@ def test_tree_search_on_a_task_without_answer_marker_names_the_option(tiny_model
     assert main(args) == 2
     assert "set search.answer_marker" in capsys.readouterr().err
     assert main([*args, "search.answer_marker='####'"]) == 0  # set (quoted: YAML reads # as a comment), it runs
+
+
+def test_search_preset_runs_as_shipped(tiny_model_dir, tmp_path):
+    run = tmp_path / "run"
+    assert main(["eval", str(REPO / "examples" / "eval_search.yaml"), f"model.path={tiny_model_dir}", "task.max_rows=2",
+                 f"run_dir={run}", "logging.tensorboard=false", "logging.progress=false", "task.reward_workers=0"]) == 0
+    sweep = json.loads((run / "sweep.json").read_text())
+    assert sweep["task"] == "countdown" and sweep["scorer"] == "rule"
+    assert {r["strategy"] for r in sweep["rows"]} == {"majority", "best_of_n", "step_beam", "mcts"}
+    assert all(r["failed"] == 0 and r["num_problems"] == 2 for r in sweep["rows"])
