@@ -199,21 +199,25 @@ def _save_screenshot(cdp: DevTools, path: Path) -> Path:
     return path
 
 
-def test_report_in_headless_chromium(browser, tmp_path):
-    run = make_rl_run(tmp_path / "rl")
+def _open_offline(cdp, run) -> str:
+    """Load the run's report; assert nothing but the file itself was requested and its script
+    ran without an error. Returns the page's URL."""
     url = write_report(run).resolve().as_uri()
-    cdp = browser
     for domain in ("Page", "Runtime", "Network"):
         cdp.call(f"{domain}.enable")
     cdp.call("Page.navigate", url=url)
     cdp.wait_event("Page.loadEventFired")
-
-    # nothing but the file itself was requested, and the page's script ran without an error
     requested = [e["params"]["request"]["url"] for e in cdp.events if e.get("method") == "Network.requestWillBeSent"]
     assert requested == [url], requested
     errors = [e for e in cdp.events if e.get("method") == "Runtime.exceptionThrown"
               or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] == "error")]
     assert not errors, errors
+    return url
+
+
+def test_report_in_headless_chromium(browser, tmp_path):
+    cdp = browser
+    _open_offline(cdp, make_rl_run(tmp_path / "rl"))
 
     metrics = cdp.js("[...document.querySelectorAll('figure.chart')].map(f => f.dataset.metric)")
     assert {"reward/mean", "eval/accuracy", "actor/kl", "actor/entropy", "response/length_mean", "actor/clip_frac",
@@ -264,17 +268,8 @@ def test_search_report_in_headless_chromium(browser, tmp_path):
 
     run = make_sweep_run(tmp_path / "sweep")
     make_single_search_run(run)  # eval.json + search.jsonl as well: the first cell is search.jsonl, with trees
-    url = write_report(run).resolve().as_uri()
     cdp = browser
-    for domain in ("Page", "Runtime", "Network"):
-        cdp.call(f"{domain}.enable")
-    cdp.call("Page.navigate", url=url)
-    cdp.wait_event("Page.loadEventFired")
-    requested = [e["params"]["request"]["url"] for e in cdp.events if e.get("method") == "Network.requestWillBeSent"]
-    assert requested == [url], requested
-    errors = [e for e in cdp.events if e.get("method") == "Runtime.exceptionThrown"
-              or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] == "error")]
-    assert not errors, errors
+    _open_offline(cdp, run)
 
     # the chart: a series per strategy, error bars, a readout on hover
     assert cdp.js("[...document.querySelectorAll('#chart-sweep g.series')].map(g => g.dataset.series)") == ["cot", "best_of_n", "mcts"]
