@@ -291,3 +291,49 @@ def gdpo_advantages(
         mean = torch.where((A == A[:1]).all(), A[:1], A.mean())
         A = (A - mean) / (_std(A, dim=0).squeeze(0) + eps)
     return A
+
+
+# --------------------------------------------------------------------------- VinePPO (step-level Monte-Carlo values)
+
+
+def vine_step_values(mc_values: list[float | None], step_rewards: list[float]) -> list[float]:
+    """V_0 .. V_L of a response of L steps from its Monte-Carlo estimates (Kazemnejad et al. 2024,
+    "VinePPO", arXiv 2410.01679; treetune's backfill):
+
+        V_L = 0                                   (the terminal state)
+        V_i = V̂_i                                 (the mean reward of K continuations from s_i)
+        V_i = r_i + V_{i+1}                       walking back from the end, for every state
+                                                  without an estimate (past max_steps), until
+                                                  the first estimated one
+
+    ``mc_values`` holds V̂_i for i = 0 .. L-1 (None: not estimated); ``step_rewards`` r_0 .. r_{L-1}.
+    """
+    L = len(step_rewards)
+    if len(mc_values) != L:
+        raise ValueError(f"{len(mc_values)} value estimates for {L} steps")
+    V = [0.0] * (L + 1)
+    for i in range(L - 1, -1, -1):
+        V[i] = float(mc_values[i]) if mc_values[i] is not None else float(step_rewards[i]) + V[i + 1]
+    return V
+
+
+def vine_step_advantages(values: list[float], step_rewards: list[float]) -> list[float]:
+    """A_i = r_i + V_{i+1} - V_i for each step (``values`` has L + 1 entries, V_L = 0). A
+    backfilled tail gets A = 0 by construction."""
+    if len(values) != len(step_rewards) + 1:
+        raise ValueError(f"need L + 1 = {len(step_rewards) + 1} values, got {len(values)}")
+    return [float(r) + values[i + 1] - values[i] for i, r in enumerate(step_rewards)]
+
+
+def step_to_token_advantages(step_adv: list[float], ends: list[int], n_tokens: int) -> torch.Tensor:
+    """[n_tokens]: each token gets the advantage of the step it belongs to (``ends`` are the
+    steps' exclusive token ends, the last = n_tokens). VinePPO maps by characters and gives a
+    token its first character's step; relign's steps are cut in token ids, so the mapping is exact."""
+    if len(step_adv) != len(ends) or (ends and ends[-1] != n_tokens):
+        raise ValueError(f"{len(step_adv)} step advantages for step ends {ends} of {n_tokens} tokens")
+    out = torch.zeros(n_tokens)
+    start = 0
+    for a, e in zip(step_adv, ends):
+        out[start:e] = a
+        start = e
+    return out

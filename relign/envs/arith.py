@@ -179,4 +179,4 @@ def task(*, template: str = TEMPLATE, default_path: str | None = None, **options
     Usable by spec (``task.name=relign.envs.arith:task``). It ships no data: give a path to a
     file written by ``write_splits`` (``relign demo`` writes them into its run directory)."""
     return builtin_task(NAME, parse_row, "relign.envs.arith:reward", template=template, default_path=default_path,
-                        extract_spec="relign.envs.arith:final_answer", answer_marker="####", reward_needs_reference=True, **options)
+                        extract_spec="relign.envs.arith:final_answer", answer_marker="####", reward_needs_reference=True, step_delimiter=",", **options)

@@ -215,6 +215,9 @@ class Task:
     answer_marker: str | None = None
     """Text that only a final answer holds (``"####"``, ``"\\boxed"``, ``"</answer>"``): tree search
     (step beam, MCTS) treats a step that holds it as terminal. None: not known."""
+    step_delimiter: str | None = None
+    """Where a reasoning step ends in this task's responses (VinePPO's steps; search's default).
+    None: not known (``vine.delimiter`` must be set)."""
     reward_needs_reference: bool = True
     """Whether the reward reads the gold answer from ``extra_info`` (gsm8k, math: yes; countdown
     checks the expression against the numbers in the prompt: no). Search refuses to *score*
@@ -361,6 +364,7 @@ def builtin_task(
     equal_spec: str | None = None,
     answer_marker: str | None = None,
     reward_needs_reference: bool = True,
+    step_delimiter: str | None = "\n",
 ) -> Task:
     """A built-in task: its reward is ``correct + format_weight * format`` (``combine``)."""
     return Task(
@@ -378,6 +382,7 @@ def builtin_task(
         term_weights={"correct": 1.0, "format": float(format_weight)},
         answer_marker=answer_marker,
         reward_needs_reference=reward_needs_reference,
+        step_delimiter=step_delimiter,
     )
 
 

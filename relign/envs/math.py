@@ -172,4 +172,4 @@ def parse_row(raw: dict, source: str, row: int) -> tuple[dict, dict]:
 def task(*, template: str = TEMPLATE, default_path: str = DEFAULT_PATH, **options: Any) -> Task:
     """The math task; ``options``: format_weight, chat, system_prompt, split (see ``builtin_task``)."""
     return builtin_task(NAME, parse_row, "relign.envs.math:reward", template=template, default_path=default_path,
-                        extract_spec="relign.envs.math:final_answer", answer_marker="\\boxed", equal_spec="relign.envs.math:same_answer", **options)
+                        extract_spec="relign.envs.math:final_answer", answer_marker="\\boxed", step_delimiter="\n\n", equal_spec="relign.envs.math:same_answer", **options)

@@ -7,7 +7,8 @@
         2. ref logps    only with a KL term
         3. old logps    only when the batch serves more than one update (else the detached
                         current log-probs: the ratio is 1 and its gradient exact)
-        4. values       only for an estimator that needs V(s_t) (GAE: the critic)
+        4. values       only for an estimator that needs V(s_t): the critic (GAE), or VinePPO's
+                        Monte-Carlo values (K continuations from every step boundary)
         5. advantages   one estimator, looked up by name in ESTIMATORS
         6. updates      ppo_epochs x mini_batches optimizer steps of the clipped policy loss
                         (+ KL, entropy), and of the clipped value loss for the critic
@@ -60,6 +61,7 @@ from ..optim import build_optimizer, build_training
 from ..rollout.batch import RolloutBatch, build_batch
 from ..rollout.traces import write_traces
 from ..tracking import StageClock, read_metrics
+from ..rollout.vine import AdaptiveK, VineEpisode, mc_step_values
 from . import RunResult, build
 from .rl_advantages import ESTIMATORS, AdvantageOptions, Estimator, Rewards, check_terms, shaped_rewards
 from .rl_update import ActorLoss, Layout, Stats, plan, score_logps, score_values, update_critic, update_policy
@@ -124,7 +126,7 @@ class TaskConfig:
 @dataclass
 class AlgorithmConfig:
     advantage: str = "grpo"
-    """grpo (group baseline), rloo (leave-one-out), reinforce_pp, reinforce_pp_baseline, gae (critic), gdpo."""
+    """grpo (group baseline), rloo (leave-one-out), reinforce_pp, reinforce_pp_baseline, gae (critic), gdpo, vine (VinePPO: Monte-Carlo step values)."""
     scale_rewards: str = "none"
     """Group advantages: 'std' divides by the group std (GRPO), 'none' does not (Dr. GRPO)."""
     policy_loss: str = "ppo_clip"
@@ -188,6 +190,20 @@ class LearnedRewardConfig:
 
 
 @dataclass
+class VineConfig:
+    k: int = 9
+    """VinePPO: continuations sampled from every step boundary; their mean reward is V (the paper's K = 9)."""
+    max_steps: int | None = None
+    """Estimate V for the first max_steps + 1 states only; later ones are backfilled (VinePPO GSM8K: 25; null = all)."""
+    dedup: bool = True
+    """Send identical states (every sample's prompt, shared steps) to the engine once."""
+    adaptive: bool = False
+    """Adaptive K: 10 continuations, +4 while the 95% interval is wider than 0.05, at most 30 (then vine.k is unused)."""
+    delimiter: str = ""
+    """Where a step ends (empty: the task's own, e.g. newline for gsm8k)."""
+
+
+@dataclass
 class CriticConfig:
     path: str = ""
     """Critic backbone (empty: the policy's model.path)."""
@@ -204,6 +220,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    vine: VineConfig = field(default_factory=VineConfig)
     reward: LearnedRewardConfig = field(default_factory=LearnedRewardConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, schedule="constant"))
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -270,6 +287,13 @@ def _check(cfg: Config) -> None:
     if a.mini_batches > cfg.prompts_per_step:
         raise ConfigError(f"algorithm.mini_batches={a.mini_batches} > prompts_per_step={cfg.prompts_per_step}: mini-batches "
                           "are made of whole groups (a group's samples are never split)")
+    if a.advantage == "vine":
+        v = cfg.vine
+        if v.k < 1 or (v.max_steps is not None and v.max_steps < 0):
+            raise ConfigError("vine.k must be >= 1 and vine.max_steps >= 0 (or null)")
+        if cfg.reward.model:
+            raise ConfigError("algorithm.advantage=vine scores its Monte-Carlo continuations with the task's rule reward; "
+                              "it cannot be combined with reward.model yet")
     world = distributed.world_size()
     if cfg.prompts_per_step % world:
         raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} does not divide across {world} ranks "
@@ -297,6 +321,8 @@ class _Run:
     tracker: object
     evaluator: PeriodicEval | None
     start: int
+    step_delimiter: str = ""
+    """Where a response's steps end (VinePPO)."""
 
 
 def _setup(cfg: Config, device, run_dir) -> tuple[_Run, Callable[[int], None]]:
@@ -304,6 +330,11 @@ def _setup(cfg: Config, device, run_dir) -> tuple[_Run, Callable[[int], None]]:
     task = build.task_for(t)
     check_eval_during_training(cfg.eval, task=t.name, env=t.env or task.env or "")
     estimator = ESTIMATORS[a.advantage]
+    if estimator.values == "monte_carlo" and (t.env or task.env):
+        raise ConfigError("algorithm.advantage=vine estimates values of single-turn responses, not of multi-turn episodes")
+    if estimator.values == "monte_carlo" and not (cfg.vine.delimiter or task.step_delimiter):
+        raise ConfigError(f"algorithm.advantage=vine splits responses into steps, and task '{task.name}' has no step "
+                          "delimiter: set vine.delimiter (e.g. vine.delimiter='\\n')")
     # ---- models: weights (a resumed run's) are loaded before sharding and before the engine's replica
     tok = load_tokenizer(m.tokenizer or m.path, trust_remote_code=m.trust_remote_code)
     policy = build.load_policy(m, device)
@@ -350,7 +381,7 @@ def _setup(cfg: Config, device, run_dir) -> tuple[_Run, Callable[[int], None]]:
                         a.kl_estimator, a.entropy_coef, a.loss_agg, collector.max_response_tokens)
     options = AdvantageOptions(ro.n, a.scale_rewards, a.gamma, a.lam, a.whiten_advantages)
     run = _Run(tok, policy, ref, critic, engine, collector, sampler, optimizer, scheduler, critic_opt, layout, loss_fn,
-               estimator, options, tracker, evaluator, start)
+               estimator, options, tracker, evaluator, start, cfg.vine.delimiter or task.step_delimiter or "")
 
     def save(step: int) -> None:
         model_sd, optim_sd = gather_train_state(policy, optimizer)  # collectives under FSDP
@@ -402,8 +433,8 @@ def train(cfg: Config) -> RunResult:
                 ref_logps = _reference_logps(run, batch, micro, ro.temperature) if a.kl != "none" else None
             with clock("old_logps"):  # 3.
                 old_logps = score_logps(run.policy, batch, micro, run.layout, temperature=ro.temperature) if reuse else None
-            with clock("values"):  # 4.
-                values = score_values(run.critic, batch, micro, run.layout) if run.critic is not None else None
+            with clock("values"):  # 4. the critic's V(s_t), or VinePPO's Monte-Carlo step values
+                values, value_stats = _values(run, cfg, step, groups, batch, micro)
             rewards = _rewards(run, a, groups, batch, old_logps, ref_logps)  # 5.
             advantages, returns = run.estimator.fn(rewards, batch.response_mask, values, run.options)
             with clock("update"):  # 6.
@@ -412,7 +443,7 @@ def train(cfg: Config) -> RunResult:
             run.engine.wake()
             with clock("sync"):  # 7. the HF engine in one process holds the policy's own tensors: nothing is copied
                 run.engine.load_weights(_named_weights(run.policy))
-            metrics = _step_metrics(run, groups, batch, rewards, stats, old_logps, clock)
+            metrics = {**_step_metrics(run, groups, batch, rewards, stats, old_logps, clock), **value_stats}
             if run.evaluator is not None and run.evaluator.due(step, cfg.max_steps):  # held-out accuracy, updated policy
                 metrics.update(run.evaluator(run.policy, run.engine, step, write=run.tracker.write))
             run.tracker.log(step, metrics)
@@ -438,6 +469,26 @@ def train(cfg: Config) -> RunResult:
 
 
 # --------------------------------------------------------------------------- the stages
+
+
+def _values(run: _Run, cfg: Config, step: int, groups, batch, micro) -> tuple[object, dict[str, float]]:
+    """The values the estimator reads: the critic's V(s_t) [N, L], VinePPO's step values (K
+    continuations from every step boundary, sampled by the engine with the policy's settings
+    and scored by the task), or None."""
+    if run.critic is not None:
+        return score_values(run.critic, batch, micro, run.layout), {}
+    if run.estimator.values != "monte_carlo":
+        return None, {}
+    v, c = cfg.vine, run.collector
+    episodes = [VineEpisode(e.prompt_ids, e.response_ids, g.prompt_text, g.extra_info) for g in groups for e in g.episodes]
+    run.engine.wake()  # generation between the rollout and the update
+    values, stats = mc_step_values(
+        run.engine, run.tok, episodes, score=lambda p, r, i: [x.reward for x in c.pool.score(p, r, i)], params=c.sampling,
+        k=v.k, max_steps=v.max_steps, delimiter=run.step_delimiter, dedup=v.dedup,
+        adaptive=AdaptiveK() if v.adaptive else None, seed=cfg.seed, step=step)
+    run.engine.sleep()
+    stats["vine/policy_tokens"] = float(sum(len(e.response_ids) for e in episodes))
+    return values, stats
 
 
 def _reference_logps(run: _Run, batch, micro, temperature: float) -> torch.Tensor:

@@ -52,7 +52,8 @@ class Estimator:
 
     fn: Callable
     values: str = ""
-    """What V(s_t) it needs: "" (none) or "critic" (a learned value model, trained on the returns)."""
+    """What V(s_t) it needs: "" (none), "critic" (a learned value model, trained on the returns) or
+    "monte_carlo" (VinePPO: K continuations from every step boundary, ``rollout.vine``)."""
     compares_samples: bool = False
     """It compares the G samples of a prompt (needs rollout.n >= 2)."""
 
@@ -82,6 +83,20 @@ def _gae(r: Rewards, mask, values, o: AdvantageOptions):
     return (adv_fns.masked_whiten(a, mask) if o.whiten else a) * mask, returns
 
 
+def _vine(r: Rewards, mask, values, o: AdvantageOptions):
+    """VinePPO: A_i = r_i + V_{i+1} - V_i per step from the Monte-Carlo values (``rollout.vine``),
+    r_i = 0 but for the last step, whose r is the sequence reward; each token gets its step's
+    A; whitened over the batch (treetune's ``whiten_advantages``)."""
+    a = torch.zeros_like(mask)
+    for i, sv in enumerate(values):
+        if not sv.ends:
+            continue
+        step_r = [0.0] * (len(sv.ends) - 1) + [float(r.seq[i])]
+        A = adv_fns.vine_step_advantages(adv_fns.vine_step_values(sv.mc, step_r), step_r)
+        a[i, sv.offset : sv.offset + sv.ends[-1]] = adv_fns.step_to_token_advantages(A, sv.ends, sv.ends[-1]).to(a)
+    return adv_fns.masked_whiten(a, mask) * mask, None
+
+
 ESTIMATORS: dict[str, Estimator] = {
     "grpo": Estimator(_group("mean"), compares_samples=True),
     "rloo": Estimator(_group("leave_one_out"), compares_samples=True),
@@ -89,6 +104,7 @@ ESTIMATORS: dict[str, Estimator] = {
     "reinforce_pp": Estimator(_reinforce_pp("none")),
     "reinforce_pp_baseline": Estimator(_reinforce_pp("group_mean"), compares_samples=True),
     "gae": Estimator(_gae, values="critic"),
+    "vine": Estimator(_vine, values="monte_carlo"),
 }
 
 

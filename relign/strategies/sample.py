@@ -10,15 +10,13 @@ the caller's ``Cost`` here and nowhere else.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
-
 from ..rollout.engine import Completion, SamplingParams
 from .base import Cost
 
 
 def continue_prefixes(engine, prefixes: Sequence[Sequence[int]], params: SamplingParams,
-                      cost: Cost | Sequence[Cost] | None = None, *, seeds: Sequence[int] | None = None
-                      ) -> list[list[Completion]]:
+                      cost: Cost | Sequence[Cost] | None = None, *, seeds: Sequence[int] | None = None,
+                      dedup: bool = True) -> list[list[Completion]]:
     """``params.n`` continuations of every prefix, in order, from one ``engine.generate`` call.
 
     ``cost``: one ``Cost`` for the whole call, or one per prefix (the owner: a problem in a
@@ -26,6 +24,7 @@ def continue_prefixes(engine, prefixes: Sequence[Sequence[int]], params: Samplin
     took part is charged one engine call. ``seeds``: one per prefix (a duplicate uses the seed
     of its first occurrence); callers derive them from what identifies the request (problem,
     node, attempt), never from its position, so results do not depend on the batch.
+    ``dedup=False`` sends every prefix as it is (an ablation: VinePPO's ``dedup``).
     """
     if not prefixes:
         return []
@@ -39,7 +38,7 @@ def continue_prefixes(engine, prefixes: Sequence[Sequence[int]], params: Samplin
     unique_seeds: list[int] = []
     slot: list[int] = []
     for i, p in enumerate(prefixes):
-        key = tuple(p)
+        key = tuple(p) if dedup else (i,)
         j = first.get(key)
         if j is None:
             j = first[key] = len(unique)
@@ -47,7 +46,7 @@ def continue_prefixes(engine, prefixes: Sequence[Sequence[int]], params: Samplin
             if seeds is not None:
                 unique_seeds.append(int(seeds[i]))
         slot.append(j)
-    outs = engine.generate(unique, replace(params), seeds=unique_seeds if seeds is not None else None)
+    outs = engine.generate(unique, params, seeds=unique_seeds if seeds is not None else None)
     if len(outs) != len(unique):
         raise RuntimeError(f"engine returned {len(outs)} results for {len(unique)} prompts")
 

@@ -16,8 +16,8 @@ from relign.tracking import read_metrics
 from ..conftest import REPO, run_cli
 from ..rl_toy import make_toy, toy_overrides
 
-PRESETS = ["dr_grpo", "grpo", "dapo", "ppo", "rloo", "reinforce_pp", "gspo", "calculator_tool"]
-KL_PRESETS = ("grpo", "ppo", "rloo", "reinforce_pp")
+PRESETS = ["dr_grpo", "grpo", "dapo", "ppo", "rloo", "reinforce_pp", "gspo", "vineppo", "calculator_tool"]
+KL_PRESETS = ("grpo", "ppo", "rloo", "reinforce_pp", "vineppo")
 STAGES = ("rollout", "reward", "reference", "old_logps", "values", "update", "sync", "step")
 
 
@@ -59,6 +59,10 @@ def test_preset_runs_learns_and_resumes(preset, tiny_model_dir, tmp_path):
         assert r["actor/logp_mismatch"] < 1e-4  # engine and trainer agree on the sampled tokens
     if preset == "ppo":
         assert "critic/value_loss" in rows[-1]
+    if preset == "vineppo":  # Monte-Carlo values: no critic, the estimate's cost logged beside the policy's
+        for key in ("vine/mc_tokens", "vine/policy_tokens", "vine/value_mean", "vine/steps_mean", "vine/unique_states"):
+            assert all(math.isfinite(r[key]) for r in rows), key
+        assert all(r["vine/mc_tokens"] > 0 and "critic/value_loss" not in r for r in rows)
     assert [s for s, _ in list_checkpoints(run)] == [1, 2]
     assert _changed(Path(tiny_model_dir), run / "checkpoints" / "step_2") > 0
     if preset == "ppo":
@@ -117,3 +121,10 @@ def test_nan_guard_skips_and_stops_with_last_good_checkpoint(tiny_model_dir, tmp
     assert len(rows) == 2 and all(r["actor/skipped_updates"] == 1 for r in rows)
     (step, ckpt), = list_checkpoints(run)
     assert step == 2 and _changed(Path(tiny_model_dir), ckpt) == 0  # the last good weights = the initial ones
+
+
+def test_vine_needs_a_step_delimiter(tiny_model_dir, tmp_path):
+    # a custom task has no step delimiter: the error names the option to set
+    proc = run_cli("rl", *toy_overrides(tiny_model_dir, tmp_path), "algorithm.advantage=vine", "max_steps=1",
+                   f"run_dir={tmp_path / 'run'}", check=False)
+    assert proc.returncode == 2 and "set vine.delimiter" in proc.stderr, proc.stderr[-2000:]

@@ -50,3 +50,12 @@ def test_shared_prompt_forwards_do_not_change_the_step(tiny_model_dir, tmp_path)
     assert len(a) == 3
     for x, y in zip(a, b):
         assert x == pytest.approx(y, abs=1e-5)
+
+
+def test_vineppo_learns(tiny_model_dir, tmp_path):
+    # VinePPO: no critic, Monte-Carlo values from K continuations at every step boundary (a
+    # space ends a step here), the same step budget as the GRPO test
+    rewards = _run(tiny_model_dir, tmp_path, "algorithm.advantage=vine", "vine.k=4", "vine.delimiter=' '",
+                   "rollout.n=8", "prompts_per_step=8", "max_steps=30", "optim.lr=1e-2", "seed=1")
+    first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
+    assert first < 0.35 and last > first + 0.4, rewards
