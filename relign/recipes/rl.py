@@ -64,7 +64,7 @@ from ..tracking import StageClock, read_metrics
 from ..rollout.vine import AdaptiveK, VineEpisode, mc_step_values
 from . import RunResult, build
 from .rl_advantages import ESTIMATORS, AdvantageOptions, Estimator, Rewards, check_terms, shaped_rewards
-from .rl_update import ActorLoss, Layout, Stats, plan, score_logps, score_values, update_critic, update_policy
+from .rl_update import ActorLoss, Layout, Stats, plan, score_logps, score_values, trpo_update, update_critic, update_policy
 
 
 @dataclass
@@ -204,6 +204,22 @@ class VineConfig:
 
 
 @dataclass
+class TrpoConfig:
+    max_kl: float = 0.01
+    """delta: the trust region, KL(pi_old || pi_new) per response token (sb3-contrib's target_kl)."""
+    damping: float = 0.1
+    """Added to the Fisher-vector product (F + damping I)."""
+    cg_iters: int = 15
+    """Conjugate-gradient iterations solving F s = g."""
+    backtrack_ratio: float = 0.8
+    """Line search: the step shrinks by this factor after each rejected try."""
+    max_backtracks: int = 10
+    """Line search: tries before the step is rejected and the parameters restored."""
+    fvp_subsample: int = 5
+    """The Fisher-vector product and the line-search KL use every N-th sequence (openai/baselines: 5)."""
+
+
+@dataclass
 class CriticConfig:
     path: str = ""
     """Critic backbone (empty: the policy's model.path)."""
@@ -221,6 +237,9 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     vine: VineConfig = field(default_factory=VineConfig)
+    update: str = "ppo"
+    """The policy update: ppo (the clipped loss with the optimizer) or trpo (a natural-gradient step in a KL trust region)."""
+    trpo: TrpoConfig = field(default_factory=TrpoConfig)
     reward: LearnedRewardConfig = field(default_factory=LearnedRewardConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, schedule="constant"))
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -294,10 +313,38 @@ def _check(cfg: Config) -> None:
         if cfg.reward.model:
             raise ConfigError("algorithm.advantage=vine scores its Monte-Carlo continuations with the task's rule reward; "
                               "it cannot be combined with reward.model yet")
+    check_choice("update", cfg.update, ("ppo", "trpo"))
+    if cfg.update == "trpo":
+        _check_trpo(cfg)
     world = distributed.world_size()
     if cfg.prompts_per_step % world:
         raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} does not divide across {world} ranks "
                           f"(torchrun --nproc_per_node): each rank samples prompts_per_step / {world} prompts")
+
+
+def _check_trpo(cfg: Config) -> None:
+    """update=trpo: what cannot work is an error; what it does not use is a warning."""
+    a, o, tr = cfg.algorithm, cfg.optim, cfg.trpo
+    if distributed.world_size() > 1:
+        raise ConfigError("update=trpo runs on one process: its flat parameter vectors and double backward are not "
+                          "supported under FSDP / torchrun yet")
+    if a.kl == "loss":
+        raise ConfigError("update=trpo has no loss to add the KL to: use algorithm.kl=reward (or none)")
+    if min(tr.max_kl, tr.damping, tr.backtrack_ratio) <= 0 or tr.backtrack_ratio >= 1 or min(tr.cg_iters, tr.max_backtracks,
+                                                                                                  tr.fvp_subsample) < 1:
+        raise ConfigError("trpo.max_kl and trpo.damping must be > 0, trpo.backtrack_ratio in (0, 1), and trpo.cg_iters, "
+                          "trpo.max_backtracks, trpo.fvp_subsample >= 1")
+    if a.ppo_epochs > 1 or a.mini_batches > 1:
+        raise ConfigError("update=trpo takes one natural-gradient step per rollout batch: set algorithm.ppo_epochs=1 and "
+                          "algorithm.mini_batches=1")
+    default = Config().optim
+    unused = [f"optim.{k}" for k in ("lr", "schedule", "warmup_steps", "warmup_ratio", "weight_decay")
+              if getattr(o, k) != getattr(default, k)]
+    unused += ["algorithm.clip_low/clip_high"] if (a.clip_low, a.clip_high) != (0.2, 0.2) else []
+    unused += ["algorithm.entropy_coef"] if a.entropy_coef else []
+    if unused:
+        warnings.warn(f"update=trpo: {', '.join(unused)} unused: the step size comes from trpo.max_kl (the trust "
+                      "region), and there is no optimizer, schedule or clipped loss", stacklevel=2)
 
 
 @dataclass
@@ -536,6 +583,11 @@ def _update(run: _Run, cfg: Config, step: int, batch, advantages, returns, old_l
               for _ in range(a.ppo_epochs)]
     mini = [rows for epoch in epochs for rows in epoch]
     params = trainable_parameters(run.policy)
+    if cfg.update == "trpo":  # one natural-gradient step on the whole batch (no optimizer)
+        tr = cfg.trpo
+        return trpo_update(run.policy, params, batch, advantages, old_logps, temperature=cfg.rollout.temperature,
+                           max_kl=tr.max_kl, damping=tr.damping, cg_iters=tr.cg_iters, backtrack_ratio=tr.backtrack_ratio,
+                           max_backtracks=tr.max_backtracks, fvp_subsample=tr.fvp_subsample), 0
     stats, skipped = update_policy(run.policy, run.optimizer, run.scheduler, params, batch, mini, run.layout, run.loss_fn,
                                    advantages=advantages, old_logps=old_logps, ref_logps=ref_logps, tis=tis,
                                    temperature=cfg.rollout.temperature, max_grad_norm=cfg.optim.max_grad_norm)

@@ -30,11 +30,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import distributed
 from ..algorithms.aggregation import aggregate, aggregate_count
 from ..algorithms.kl import kl_estimate
 from ..algorithms.policy_losses import entropy_bonus_loss, gspo_loss, ppo_clip_loss, value_loss
+from ..algorithms.trpo import self_kl, surrogate_objective, token_kl, trpo_step
 from ..data.balance import micro_batch_plan
 from ..models.logprobs import shared_prefix_token_logps, token_logps
 from ..optim import clip_gradients
@@ -297,4 +299,53 @@ def update_critic(critic, optimizer, params, batch: RolloutBatch, mini_batches: 
         loss_total = float(distributed.all_reduce_sum(loss_sum))
         stats.add("critic/value_loss", loss_total)
         _step(optimizer, None, params, max_grad_norm, math.isfinite(loss_total), stats, "critic")
+    return stats
+
+
+# --------------------------------------------------------------------------- TRPO (update=trpo)
+
+
+def trpo_update(policy, params: list[torch.Tensor], batch: RolloutBatch, advantages: torch.Tensor,
+                old_logps: torch.Tensor | None, *, temperature: float, max_kl: float, damping: float, cg_iters: int,
+                backtrack_ratio: float, max_backtracks: int, fvp_subsample: int) -> Stats:
+    """One TRPO step (``algorithms.trpo.trpo_step``) of the trainable ``params`` on the whole batch.
+
+    The surrogate is the token-mean of A_t · π(y_t) / π_old(y_t) over the response tokens; the
+    Fisher is the Hessian of KL(stop_grad(π) ‖ π) on every ``fvp_subsample``-th sequence
+    (openai/baselines uses every 5th sample); the line search measures KL(π_old ‖ π_new) on the
+    same rows, from their old full-vocabulary log-probs kept here. One forward holds the whole
+    batch's logits [N, L, V]: this is for tiny models and small trainable sets (LoRA).
+    """
+    ids, attn, mask = batch.input_ids, batch.attention_mask, batch.response_mask
+    target, m = ids[:, 1:], mask[:, 1:]  # position t of the shifted tensors predicts token t + 1
+    sub = torch.arange(0, batch.size, max(1, fvp_subsample), device=ids.device)
+
+    def logits(rows) -> torch.Tensor:  # [n, L - 1, V] at the rollout's temperature
+        return policy(input_ids=ids[rows], attention_mask=attn[rows], use_cache=False).logits[:, :-1].float() / temperature
+
+    def logps(rows) -> torch.Tensor:  # [n, L - 1]
+        return torch.log_softmax(logits(rows), -1).gather(-1, target[rows].unsqueeze(-1)).squeeze(-1)
+
+    every = torch.arange(batch.size, device=ids.device)
+    with torch.no_grad():
+        old = old_logps[:, 1:] if old_logps is not None else logps(every)  # [N, L - 1]
+        old_sub = torch.log_softmax(logits(sub), -1)  # [n, L - 1, V]
+
+    def surrogate() -> torch.Tensor:
+        return surrogate_objective(logps(every), old, advantages[:, 1:], m)
+
+    def kl_old_new() -> torch.Tensor:
+        with torch.no_grad():
+            return token_kl(old_sub, torch.log_softmax(logits(sub), -1), m[sub])
+
+    # the Fisher-vector product differentiates twice: the fused attention kernels (flash, memory
+    # efficient) have no double backward, PyTorch's math kernel does
+    with sdpa_kernel([SDPBackend.MATH]):
+        out = trpo_step(params, surrogate, lambda: self_kl(logits(sub), m[sub]), kl_old_new, max_kl=max_kl, damping=damping,
+                        cg_iters=cg_iters, backtrack_ratio=backtrack_ratio, max_backtracks=max_backtracks)
+    stats = Stats()
+    for k, v in out.items():
+        if isinstance(v, float):
+            stats.add(k, v)
+    stats.add("actor/grad_norm", out["trpo/grad_norm"])
     return stats

@@ -16,7 +16,7 @@ from relign.tracking import read_metrics
 from ..conftest import REPO, run_cli
 from ..rl_toy import make_toy, toy_overrides
 
-PRESETS = ["dr_grpo", "grpo", "dapo", "ppo", "rloo", "reinforce_pp", "gspo", "vineppo", "calculator_tool"]
+PRESETS = ["dr_grpo", "grpo", "dapo", "ppo", "rloo", "reinforce_pp", "gspo", "vineppo", "trpo", "calculator_tool"]
 KL_PRESETS = ("grpo", "ppo", "rloo", "reinforce_pp", "vineppo")
 STAGES = ("rollout", "reward", "reference", "old_logps", "values", "update", "sync", "step")
 
@@ -49,14 +49,20 @@ def test_preset_runs_learns_and_resumes(preset, tiny_model_dir, tmp_path):
     rows = [r for r in read_metrics(run) if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        keys = ["actor/loss", "actor/entropy", "actor/grad_norm", "actor/clip_frac", "actor/logp_mismatch", "actor/lr",
-                "reward/std", "reward/score", "response/length_mean", "response/length_max", "response/truncated_frac",
-                "perf/tokens_per_s", *(f"time/{s}_s" for s in STAGES)]
+        keys = ["reward/std", "reward/score", "response/length_mean", "response/length_max", "response/truncated_frac",
+                "perf/tokens_per_s", "actor/grad_norm", *(f"time/{s}_s" for s in STAGES)]
+        if preset == "trpo":  # no optimizer, no clipped loss: the trust region's own figures
+            keys += ["trpo/kl", "trpo/backtracks", "trpo/accepted", "trpo/surrogate_gain"]
+        else:
+            keys += ["actor/loss", "actor/entropy", "actor/clip_frac", "actor/logp_mismatch", "actor/lr"]
         if preset in KL_PRESETS:
             keys.append("actor/kl")
         for key in keys:
             assert key in r and math.isfinite(r[key]), (key, r)
-        assert r["actor/logp_mismatch"] < 1e-4  # engine and trainer agree on the sampled tokens
+        if preset != "trpo":
+            assert r["actor/logp_mismatch"] < 1e-4  # engine and trainer agree on the sampled tokens
+        else:
+            assert r["trpo/kl"] <= 0.01 * 1.05 and r["trpo/accepted"] in (0.0, 1.0)
     if preset == "ppo":
         assert "critic/value_loss" in rows[-1]
     if preset == "vineppo":  # Monte-Carlo values: no critic, the estimate's cost logged beside the policy's
@@ -128,3 +134,17 @@ def test_vine_needs_a_step_delimiter(tiny_model_dir, tmp_path):
     proc = run_cli("rl", *toy_overrides(tiny_model_dir, tmp_path), "algorithm.advantage=vine", "max_steps=1",
                    f"run_dir={tmp_path / 'run'}", check=False)
     assert proc.returncode == 2 and "set vine.delimiter" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_trpo_errors_and_unused_settings(tiny_model_dir, tmp_path):
+    base = [*toy_overrides(tiny_model_dir, tmp_path), "update=trpo", "max_steps=1", "rollout.n=2", "prompts_per_step=2",
+            f"run_dir={tmp_path / 'run'}"]
+    proc = run_cli("rl", *base, "algorithm.kl=loss", "algorithm.kl_coef=0.1", check=False)
+    assert proc.returncode == 2 and "use algorithm.kl=reward" in proc.stderr
+    proc = run_cli("rl", *base, "algorithm.ppo_epochs=2", check=False)
+    assert proc.returncode == 2 and "algorithm.ppo_epochs=1" in proc.stderr
+    proc = run_cli("rl", *base, "optim.schedule=cosine", "optim.lr=0.1")  # runs, and says what it ignores
+    assert "optim.lr, optim.schedule unused" in proc.stderr
+    rows = [r for r in read_metrics(tmp_path / "run") if "reward/mean" in r]
+    assert {"trpo/kl", "trpo/accepted", "trpo/backtracks", "trpo/surrogate_gain"} <= rows[0].keys()
+    assert rows[0]["trpo/kl"] <= 0.01 * 1.05 or rows[0]["trpo/accepted"] == 0
