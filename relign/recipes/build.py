@@ -21,7 +21,7 @@ from ..tracking import Tracker
 
 if TYPE_CHECKING:  # the config classes of the recipes that call these
     from ..config import LoggingConfig, ModelConfig
-    from .rl import LearnedRewardConfig, RolloutConfig, TaskConfig
+    from .rl_config import LearnedRewardConfig, RolloutConfig, TaskConfig
 
 ENGINES = ("hf",)
 

@@ -148,3 +148,12 @@ def test_trpo_errors_and_unused_settings(tiny_model_dir, tmp_path):
     rows = [r for r in read_metrics(tmp_path / "run") if "reward/mean" in r]
     assert {"trpo/kl", "trpo/accepted", "trpo/backtracks", "trpo/surrogate_gain"} <= rows[0].keys()
     assert rows[0]["trpo/kl"] <= 0.01 * 1.05 or rows[0]["trpo/accepted"] == 0
+
+
+def test_max_seconds_stops_after_the_step_and_saves_it(tiny_model_dir, tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli("rl", *toy_overrides(tiny_model_dir, tmp_path), "max_steps=50", "max_seconds=0.001", "rollout.n=2",
+                   "prompts_per_step=2", f"run_dir={run}")
+    assert "stopped: max_seconds=0.001 after step 1" in proc.stderr + proc.stdout
+    assert [s for s, _ in list_checkpoints(run)] == [1]
+    assert [r["step"] for r in read_metrics(run) if "reward/mean" in r] == [1]

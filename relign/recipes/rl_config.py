@@ -1,0 +1,296 @@
+"""The configuration of ``relign rl`` and the checks that run before anything is loaded.
+
+One dataclass per part (rollout, task, algorithm, learned reward, VinePPO, TRPO, critic) and
+``Config`` that holds them; every field has its one-line doc (``relign rl --help``). ``check``
+refuses settings that cannot work, with a message that names the key.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+from .. import distributed
+from ..algorithms.aggregation import MODES
+from ..config import CheckpointConfig, ConfigError, LoggingConfig, ModelConfig, OptimConfig, check_choice
+from ..evaluate import EvalDuringTrainingConfig
+from .rl_advantages import ESTIMATORS
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"
+    """Inference engine: hf (built in, shares the policy's weights in one process)."""
+    n: int = 8
+    """Completions per prompt (group size G)."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer scores log-probs at the same temperature); must be > 0."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    max_new_tokens: int = 256
+    """Longest completion (per turn in multi-turn rollouts)."""
+    max_response_tokens: int = 0
+    """Multi-turn: cap on model + environment tokens after the prompt (0 = max_new_tokens x max_turns)."""
+    min_new_tokens: int = 0
+    """Forbid EOS before this many tokens."""
+    ignore_eos: bool = False
+    """Generate exactly max_new_tokens (benchmarks)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings."""
+    max_turns: int = 1
+    """Model turns per episode with a multi-turn environment (task.env, or a task that has one)."""
+    max_batch_rows: int = 256
+    """Most sequences the engine decodes at once."""
+
+
+@dataclass
+class TaskConfig:
+    name: str = "gsm8k"
+    """Built-in task (gsm8k, math, countdown, calculator) or 'custom' with data path + reward_fn."""
+    path: str = ""
+    """Training prompts: a file, dataset folder or hub id (empty: the task's default source)."""
+    split: str = ""
+    """Split to read (empty: the task's default)."""
+    max_rows: int = 0
+    """Read at most this many prompts (0 = all)."""
+    chat: bool = True
+    """Wrap prompts in the tokenizer's chat template."""
+    system_prompt: str = ""
+    """System message for chat prompts."""
+    max_prompt_length: int = 512
+    """Prompts longer than this (in tokens) are skipped and counted."""
+    format_weight: float = 0.0
+    """Weight of the task's format reward added to correctness."""
+    reward_fn: str = ""
+    """Custom reward function 'path/to/file.py:function' (replaces the task's own)."""
+    reward_timeout: float = 10.0
+    """Seconds per reward call; a call that raises or runs longer scores 0 and is counted."""
+    reward_workers: int = 2
+    """Reward worker processes (0 = in-process, no timeout enforcement)."""
+    env: str = ""
+    """Multi-turn environment class 'module:Class' or 'file.py:Class' (empty = the task's own, if any)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: str = "grpo"
+    """grpo (group baseline), rloo (leave-one-out), reinforce_pp, reinforce_pp_baseline, gae (critic), gdpo, vine (VinePPO: Monte-Carlo step values)."""
+    scale_rewards: str = "none"
+    """Group advantages: 'std' divides by the group std (GRPO), 'none' does not (Dr. GRPO)."""
+    policy_loss: str = "ppo_clip"
+    """ppo_clip (token-level ratio) or gspo (sequence-level ratio; needs loss_agg=seq-mean-token-mean)."""
+    loss_agg: str = "seq-mean-token-sum-norm"
+    """token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm."""
+    clip_low: float = 0.2
+    """Lower clip range epsilon_low of the ratio."""
+    clip_high: float = 0.2
+    """Upper clip range epsilon_high (DAPO clip-higher uses 0.28)."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c > 1 bounding the loss for negative advantages (0 = off)."""
+    kl: str = "none"
+    """KL to the reference policy: none, loss (beta * KL added to the loss, GRPO) or reward (-beta * KL per token in the reward, PPO-RLHF)."""
+    kl_coef: float = 0.0
+    """beta of the KL term (> 0 when algorithm.kl is loss or reward)."""
+    kl_estimator: str = "k3"
+    """k1, k2 or k3."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batches: int = 1
+    """Optimizer steps per pass: the step's groups are split into exactly this many mini-batches."""
+    gamma: float = 1.0
+    """Discount (GAE, REINFORCE++)."""
+    lam: float = 1.0
+    """GAE lambda."""
+    whiten_advantages: bool = True
+    """GAE: whiten advantages over the batch."""
+    tis_cap: float = 0.0
+    """Truncated importance-sampling cap between sampling and trainer log-probs (0 = off)."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and draw more prompts to refill the batch."""
+    max_sampling_rounds: int = 3
+    """Dynamic sampling: most generation batches per step (a step that keeps no group is skipped)."""
+    overlong: str = "none"
+    """Overlong shaping: none, penalty (DAPO soft penalty) or mask (drop truncated completions from the loss)."""
+    overlong_cache: int = 0
+    """Soft-penalty window L_cache in tokens before the episode's token budget."""
+    overlong_factor: float = 1.0
+    """Largest overlong penalty."""
+    gdpo_weights: dict[str, float] = field(default_factory=dict)
+    """GDPO: weights of named reward terms, overriding the reward's own (correct 1, format task.format_weight, ...)."""
+
+
+@dataclass
+class LearnedRewardConfig:
+    model: str = ""
+    """A trained reward model (relign rm) or generative verifier (relign verifier) checkpoint; empty = rule reward only."""
+    kind: str = "auto"
+    """auto (sequence-classification checkpoint -> rm, causal LM -> verifier), rm or verifier."""
+    weight: float = 1.0
+    """Weight of the learned reward in reward = rule_weight * rule + weight * model."""
+    rule_weight: float = 1.0
+    """Weight of the task's rule-based reward (0: the learned reward alone)."""
+    batch_size: int = 16
+    """Completions per scoring forward pass."""
+    max_length: int = 2048
+    """Longest (problem + response) the scorer reads, in tokens (longer inputs keep their end)."""
+
+
+@dataclass
+class VineConfig:
+    k: int = 9
+    """VinePPO: continuations sampled from every step boundary; their mean reward is V (the paper's K = 9)."""
+    max_steps: int | None = None
+    """Estimate V for the first max_steps + 1 states only; later ones are backfilled (VinePPO GSM8K: 25; null = all)."""
+    dedup: bool = True
+    """Send identical states (every sample's prompt, shared steps) to the engine once."""
+    adaptive: bool = False
+    """Adaptive K: 10 continuations, +4 while the 95% interval is wider than 0.05, at most 30 (then vine.k is unused)."""
+    delimiter: str = ""
+    """Where a step ends (empty: the task's own, e.g. newline for gsm8k)."""
+
+
+@dataclass
+class TrpoConfig:
+    max_kl: float = 0.01
+    """delta: the trust region, KL(pi_old || pi_new) per response token (sb3-contrib's target_kl)."""
+    damping: float = 0.1
+    """Added to the Fisher-vector product (F + damping I)."""
+    cg_iters: int = 15
+    """Conjugate-gradient iterations solving F s = g."""
+    backtrack_ratio: float = 0.8
+    """Line search: the step shrinks by this factor after each rejected try."""
+    max_backtracks: int = 10
+    """Line search: tries before the step is rejected and the parameters restored."""
+    fvp_subsample: int = 5
+    """The Fisher-vector product and the line-search KL use every N-th sequence (openai/baselines: 5)."""
+
+
+@dataclass
+class CriticConfig:
+    path: str = ""
+    """Critic backbone (empty: the policy's model.path)."""
+    lr: float = 1e-5
+    """Critic learning rate."""
+    value_clip: float = 0.2
+    """Clip range of the value update around the old values (0 = off)."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    vine: VineConfig = field(default_factory=VineConfig)
+    update: str = "ppo"
+    """The policy update: ppo (the clipped loss with the optimizer) or trpo (a natural-gradient step in a KL trust region)."""
+    trpo: TrpoConfig = field(default_factory=TrpoConfig)
+    reward: LearnedRewardConfig = field(default_factory=LearnedRewardConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, schedule="constant"))
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalDuringTrainingConfig = field(default_factory=EvalDuringTrainingConfig)
+    run_dir: str = ""
+    """Where config.yaml, metrics.jsonl, rollouts/ and checkpoints/ go (empty: runs/rl-<time>)."""
+    resume: str = "none"
+    """'auto' continues from the newest complete checkpoint in run_dir; or a checkpoint path."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto."""
+    max_steps: int = 100
+    """Rollout + update steps."""
+    max_seconds: float = 0.0
+    """Also stop after this much wall-clock training (checked after each step, which is then saved; 0 = no limit)."""
+    prompts_per_step: int = 8
+    """Prompts per step over all ranks; the batch holds prompts_per_step x rollout.n completions."""
+    max_tokens_per_micro: int = 4096
+    """Token budget of one forward/backward pass on one rank: prompt + response tokens (a shared prompt once, its G responses at the group's longest; 0 = no limit)."""
+    micro_batch_size: int = 0
+    """Most sequences in one forward/backward pass (0 = no limit: max_tokens_per_micro decides)."""
+    share_prompt: bool = True
+    """Padded micro-batches: run each group's prompt once and reuse its KV cache for the G responses."""
+    packing: bool = False
+    """Pack each micro-batch's sequences into one row with per-sequence position ids (flash-attention varlen on GPU)."""
+    traces_per_step: int = 64
+    """Completions written to rollouts/step_N.jsonl each step (0 = none)."""
+    nan_patience: int = 3
+    """Stop (after saving the last good checkpoint) when this many updates in a row are non-finite."""
+
+
+def check(cfg: Config) -> None:
+    a, ro = cfg.algorithm, cfg.rollout
+    check_choice("algorithm.advantage", a.advantage, tuple(ESTIMATORS))
+    check_choice("algorithm.scale_rewards", a.scale_rewards, ("std", "none"))
+    check_choice("algorithm.policy_loss", a.policy_loss, ("ppo_clip", "gspo"))
+    check_choice("algorithm.loss_agg", a.loss_agg, MODES)
+    check_choice("algorithm.kl", a.kl, ("none", "loss", "reward"))
+    check_choice("algorithm.kl_estimator", a.kl_estimator, ("k1", "k2", "k3"))
+    check_choice("algorithm.overlong", a.overlong, ("none", "penalty", "mask"))
+    check_choice("reward.kind", cfg.reward.kind, ("auto", "rm", "verifier"))
+    if a.kl != "none" and a.kl_coef <= 0:
+        raise ConfigError(f"algorithm.kl={a.kl} needs algorithm.kl_coef > 0 (the beta of the KL term)")
+    if a.kl == "none" and a.kl_coef > 0:
+        raise ConfigError(f"algorithm.kl_coef={a.kl_coef} has no effect with algorithm.kl=none: set algorithm.kl=loss "
+                          "(beta * KL in the loss, GRPO) or algorithm.kl=reward (-beta * KL per token in the reward, PPO)")
+    if ro.temperature <= 0:
+        raise ConfigError(f"rollout.temperature={ro.temperature}: RL needs sampling (temperature > 0); greedy decoding "
+                          "gives G identical samples, and log-probs at temperature 0 are not defined")
+    if a.policy_loss == "gspo" and a.loss_agg != "seq-mean-token-mean":
+        raise ConfigError(f"algorithm.policy_loss=gspo needs algorithm.loss_agg=seq-mean-token-mean (got {a.loss_agg}): "
+                          "GSPO's objective is the mean over sequences of the sequence-level clipped term")
+    if ESTIMATORS[a.advantage].compares_samples and ro.n < 2:
+        raise ConfigError(f"algorithm.advantage={a.advantage} compares samples of a prompt: set rollout.n >= 2")
+    budget = ro.max_response_tokens or ro.max_new_tokens * ro.max_turns
+    if a.overlong == "penalty" and not 0 <= a.overlong_cache <= budget:
+        raise ConfigError(f"algorithm.overlong_cache={a.overlong_cache} must lie in [0, {budget}] (the episode's token budget)")
+    if min(cfg.prompts_per_step, a.mini_batches, a.ppo_epochs, a.max_sampling_rounds) < 1 or cfg.micro_batch_size < 0:
+        raise ConfigError("prompts_per_step, algorithm.mini_batches, algorithm.ppo_epochs and algorithm.max_sampling_rounds "
+                          "must be >= 1 (micro_batch_size >= 0)")
+    if a.mini_batches > cfg.prompts_per_step:
+        raise ConfigError(f"algorithm.mini_batches={a.mini_batches} > prompts_per_step={cfg.prompts_per_step}: mini-batches "
+                          "are made of whole groups (a group's samples are never split)")
+    if a.advantage == "vine":
+        v = cfg.vine
+        if v.k < 1 or (v.max_steps is not None and v.max_steps < 0):
+            raise ConfigError("vine.k must be >= 1 and vine.max_steps >= 0 (or null)")
+        if cfg.reward.model:
+            raise ConfigError("algorithm.advantage=vine scores its Monte-Carlo continuations with the task's rule reward; "
+                              "it cannot be combined with reward.model yet")
+    check_choice("update", cfg.update, ("ppo", "trpo"))
+    if cfg.update == "trpo":
+        check_trpo(cfg)
+    world = distributed.world_size()
+    if cfg.prompts_per_step % world:
+        raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} does not divide across {world} ranks "
+                          f"(torchrun --nproc_per_node): each rank samples prompts_per_step / {world} prompts")
+
+
+def check_trpo(cfg: Config) -> None:
+    """update=trpo: what cannot work is an error; what it does not use is a warning."""
+    a, o, tr = cfg.algorithm, cfg.optim, cfg.trpo
+    if distributed.world_size() > 1:
+        raise ConfigError("update=trpo runs on one process: its flat parameter vectors and double backward are not "
+                          "supported under FSDP / torchrun yet")
+    if a.kl == "loss":
+        raise ConfigError("update=trpo has no loss to add the KL to: use algorithm.kl=reward (or none)")
+    if min(tr.max_kl, tr.damping, tr.backtrack_ratio) <= 0 or tr.backtrack_ratio >= 1 or min(tr.cg_iters, tr.max_backtracks,
+                                                                                                  tr.fvp_subsample) < 1:
+        raise ConfigError("trpo.max_kl and trpo.damping must be > 0, trpo.backtrack_ratio in (0, 1), and trpo.cg_iters, "
+                          "trpo.max_backtracks, trpo.fvp_subsample >= 1")
+    if a.ppo_epochs > 1 or a.mini_batches > 1:
+        raise ConfigError("update=trpo takes one natural-gradient step per rollout batch: set algorithm.ppo_epochs=1 and "
+                          "algorithm.mini_batches=1")
+    default = Config().optim
+    unused = [f"optim.{k}" for k in ("lr", "schedule", "warmup_steps", "warmup_ratio", "weight_decay")
+              if getattr(o, k) != getattr(default, k)]
+    unused += ["algorithm.clip_low/clip_high"] if (a.clip_low, a.clip_high) != (0.2, 0.2) else []
+    unused += ["algorithm.entropy_coef"] if a.entropy_coef else []
+    if unused:
+        warnings.warn(f"update=trpo: {', '.join(unused)} unused: the step size comes from trpo.max_kl (the trust "
+                      "region), and there is no optimizer, schedule or clipped loss", stacklevel=2)
