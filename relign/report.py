@@ -62,6 +62,10 @@ CHARTS: list[tuple[str, str, tuple[str, ...], str | None]] = [
     ("reward", "Reward (mean ± std)", ("reward/mean",), "reward/std"),
     ("reward-components", "Reward score and components", ("reward/score", "reward/*"), None),
     ("eval-accuracy", "Eval accuracy", ("eval/accuracy", "eval/pass@*", "eval/maj@*", "eval/score"), None),
+    ("rest-accuracy", "Validation accuracy per ReST-EM iteration", ("rest/val_accuracy",), None),
+    ("rest-filter", "ReST-EM filter (per iteration)", ("rest/correct_frac", "rest/prompts_with_any", "rest/truncated_frac"), None),
+    ("vine", "VinePPO: Monte-Carlo vs policy tokens", ("vine/mc_tokens", "vine/policy_tokens"), None),
+    ("trpo", "TRPO trust region", ("trpo/kl", "trpo/surrogate_gain", "trpo/accepted"), None),
     ("loss", "Loss", ("train/loss", "eval/loss", "actor/loss"), None),
     ("preference-rewards", "Implicit rewards", ("rewards/chosen", "rewards/rejected", "rewards/margins"), None),
     ("preference-accuracy", "Preference accuracy", ("rewards/accuracy", "eval/rewards/accuracy", "eval/accuracy_pairs"), None),
@@ -259,6 +263,8 @@ def infer_recipe(run: Run) -> str:
     cfg = run.config
     if run.demo is not None:
         return "demo"
+    if (run.path / "rest.json").is_file():
+        return "rest"
     if run.eval_summary is not None or run.samples_file == "samples.jsonl" or run.search is not None:
         return "eval"
     if run.trace_files or {"rollout", "algorithm"} <= cfg.keys() or "reward/mean" in keys:

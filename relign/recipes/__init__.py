@@ -13,6 +13,7 @@ RECIPES: dict[str, tuple[str, str]] = {
     "dpo": ("relign.recipes.preference", "Preference optimization: DPO, IPO, DPOP, SimPO, ORPO, KTO, step-wise DPO."),
     "verifier": ("relign.recipes.verifier", "Generative verifier (GenRM): SFT on graded solutions, score = P(Yes)."),
     "rl": ("relign.recipes.rl", "RL with verifiable rewards: PPO, GRPO, Dr. GRPO, DAPO, GSPO, RLOO, REINFORCE++."),
+    "rest": ("relign.recipes.rest_em", "ReST-EM: sample, keep the correct, fine-tune from the base, pick a checkpoint, repeat."),
     "eval": ("relign.recipes.eval", "Evaluate a model on a task: accuracy, pass@k, maj@k, lengths."),
     "demo": ("relign.recipes.demo", "The whole pipeline on a laptop CPU: tiny model, SFT warm start, GRPO, before/after eval."),
 }
