@@ -34,7 +34,7 @@ METHODS = {  # name -> relign rl overrides on top of the demo's RL config
     "ppo": ["algorithm.advantage=gae", "algorithm.loss_agg=token-mean", "critic.lr=1e-4", "algorithm.ppo_epochs=2",
             "algorithm.mini_batches=2", "algorithm.lam=0.95"],
     "vineppo": ["algorithm.advantage=vine", "algorithm.loss_agg=token-mean", "vine.k=4", "vine.max_steps=2"],
-    "trpo": ["update=trpo", "algorithm.scale_rewards=std", "trpo.max_kl=0.05", "trpo.damping=0.01", "trpo.fvp_subsample=2",
+    "trpo": ["update=trpo", "algorithm.scale_rewards=std", "trpo.max_kl=0.001", "trpo.damping=0.01", "trpo.fvp_subsample=2",
              "optim.schedule=constant", "optim.warmup_steps=0", "optim.lr=1e-6"],
 }
 
@@ -97,11 +97,19 @@ def main() -> None:
         relign("demo", f"run_dir={base}", "demo.steps=1", "demo.eval_every=0", f"demo.sft_steps={a.sft_steps}",
                "logging.progress=false", "logging.tensorboard=false", log=base.parent / f"{base.name}_demo.log")
     rows = [run_method(m, base, s, a.seconds) for s in a.seeds for m in a.methods]
+    # rows of other methods or seeds already in --out are kept (a method re-run replaces its own)
+    done = {(r["method"], r["seed"]) for r in rows}
+    if Path(a.out).is_file():
+        rows = [r for r in json.loads(Path(a.out).read_text())["rows"] if (r["method"], r["seed"]) not in done] + rows
     print(f"| method | seed | steps in {a.seconds:.0f} s | held-out pass@1 | maj@8 | train reward (last 5) | MC / policy tokens | value share |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['method']} | {r['seed']} | {r['steps']} | {r['heldout_pass@1']:.3f} | {r['heldout_maj@8'] or 0:.3f} | "
               f"{r['reward_last5']:.3f} | {r.get('mc_tokens_per_policy_token', 0):.1f} | {r.get('values_share', 0):.0%} |")
+    for r in rows:
+        r.setdefault("date", datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        r.setdefault("load", [load0, os.getloadavg()])
+        r.setdefault("overrides", METHODS[r["method"]])
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.platform(),
               "cpus": os.cpu_count(), "load_before": load0, "load_after": os.getloadavg(),
               "command": " ".join(["python", "bench/credit_compare.py", *sys.argv[1:]]), "seconds": a.seconds,
