@@ -208,6 +208,9 @@ def train(cfg: Config) -> RunResult:
     t, m = cfg.task, cfg.model
     task = build_task(t.name, path=t.path, reward_fn=t.reward_fn, chat=t.chat, system_prompt=t.system_prompt,
                       format_weight=t.format_weight, extract_fn=t.extract_fn, equal_fn=t.equal_fn)
+    if cfg.strategy == "sample" and cfg.sweep.budgets and not cfg.sweep.strategies:
+        raise ConfigError("sweep.budgets are token budgets of a search: set strategy= (or sweep.strategies) to a search "
+                          "strategy; strategy=sample is the plain n-sample eval")
     cells = _check_search(cfg, task) if cfg.strategy != "sample" or cfg.sweep.strategies else []
     device = resolve_device(cfg.device)
     seed_everything(cfg.seed)

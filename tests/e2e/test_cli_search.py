@@ -97,6 +97,7 @@ def test_rule_scorer_allowed_where_the_reward_needs_no_gold_answer(tiny_model_di
         (["strategy=majority"], "a budget needs at least one of"),
         (["strategy=best_of_n", "budget.max_samples=2"], "needs a scorer"),
         (["strategy=majority", "budget.max_samples=2", "search.temperature=0"], "search.temperature must be > 0"),
+        (["sweep.budgets=[64]"], "sweep.budgets are token budgets of a search"),
     ],
 )
 def test_search_config_errors_are_one_line(args, message, tiny_model_dir, tmp_path, capsys):
