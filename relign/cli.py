@@ -15,15 +15,20 @@ import sys
 from .config import ConfigError, format_help, load_config
 from .recipes import RECIPES
 
-USAGE = """usage: relign COMMAND [CONFIG.yaml] [key.sub=value ...]
+USAGE = """usage: relign RECIPE [CONFIG.yaml | PRESET] [key.sub=value ...]
+       relign COMMAND [ARGS ...]
+
+Recipes:
+{recipes}
 
 Commands:
-{recipes}
-  report RUN_DIR  Write RUN_DIR/report.html: metric plots, rollout traces, eval samples.
+{commands}
+  report RUN_DIR [RUN_DIR ...] [--out PATH]  Write RUN_DIR/report.html; with several runs, one page comparing them.
   tiny-model OUT_DIR [--arch qwen2|llama] [--size micro|tiny|small|base] [--seed N]
                   Build a small random model with a locally trained tokenizer.
 
-`relign COMMAND --help` lists every config field of a recipe with its one-line doc.
+`relign RECIPE --help` lists every config field of a recipe with its one-line doc;
+`relign presets` lists the presets, which run by name: `relign rl grpo`.
 """
 
 
@@ -39,8 +44,14 @@ def _quiet_libraries() -> None:
 
 
 def _usage() -> str:
-    lines = [f"  {name:<14}  {summary}" for name, (_, summary) in RECIPES.items()]
-    return USAGE.format(recipes="\n".join(lines))
+    from .commands import COMMANDS
+
+    recipes = [f"  {name:<14}  {summary}" for name, (_, summary) in RECIPES.items()]
+    commands = []
+    for name, (_, args, summary) in COMMANDS.items():
+        head = f"{name} {args}".strip()
+        commands.append(f"  {head:<14}  {summary}" if len(head) <= 14 else f"  {head}\n  {'':<14}  {summary}")
+    return USAGE.format(recipes="\n".join(recipes), commands="\n".join(commands))
 
 
 def _fail(command: str, message: str) -> int:
@@ -65,6 +76,21 @@ def _tiny_model(argv: list[str]) -> int:
     return 0
 
 
+def _command(command: str, argv: list[str]) -> int:
+    """A command of ``relign.commands``: its user errors become one line and exit status 2."""
+    from .commands import COMMANDS
+    from .commands._common import CommandError
+    from .data.readers import DataError
+
+    module = importlib.import_module(COMMANDS[command][0])
+    try:
+        return module.main(argv)
+    except (CommandError, ConfigError, DataError) as e:
+        return _fail(command, str(e))
+    except SystemExit as e:  # argparse's --help (0) and usage errors (2, already printed)
+        return e.code if isinstance(e.code, int) else 2
+
+
 def split_args(argv: list[str]) -> tuple[str | None, list[str]]:
     """First argument that is not a key=value is the config file; the rest are overrides."""
     config_path = None
@@ -80,17 +106,9 @@ def split_args(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 def _report(argv: list[str]) -> int:
-    if len(argv) != 1 or argv[0] in ("-h", "--help"):
-        print("usage: relign report RUN_DIR\n\nWrite RUN_DIR/report.html (one self-contained file, no network needed).")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    from .report import write_report
+    from .report.command import main as report_main
 
-    try:
-        path = write_report(argv[0])
-    except FileNotFoundError as e:
-        return _fail("report", f"not found: {e.filename or e}")
-    print(f"report: {path}")
-    return 0
+    return report_main(argv)
 
 
 def run_recipe(command: str, argv: list[str]) -> int:
@@ -99,16 +117,30 @@ def run_recipe(command: str, argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(format_help(module.Config, command, summary))
         return 0
+    from . import banner, distributed
     from .data.readers import DataError
 
+    banner.request_dry_run("--dry-run" in argv)
+    argv = [a for a in argv if a != "--dry-run"]
     try:
         config_path, overrides = split_args(argv)
         cfg = load_config(module.Config, config_path, overrides)
         result = module.train(cfg)
+        distributed.barrier()  # every rank is done with every collective before the group goes
+    except banner.DryRunDone:
+        return 0
     except (ConfigError, DataError) as e:
         return _fail(command, str(e))
     except FileNotFoundError as e:
         return _fail(command, f"file not found: {e.filename or e}")
+    finally:
+        # Leaving with the process group alive lets interpreter shutdown destroy gloo's
+        # threads while they are still joinable, which aborts a rank now and then (SIGABRT,
+        # "terminate called without an active exception") after a run that succeeded.
+        distributed.cleanup()
+    from .report import refresh_after_run
+
+    refresh_after_run(result.run_dir)  # here, not in checkpoint/tracking: those sit below the report
     print(f"run directory: {result.run_dir}")
     return 0
 
@@ -120,13 +152,26 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
+    from .commands import COMMANDS
+
     command, rest = argv[0], argv[1:]
+    if command in ("--version", "-V"):
+        command = "version"
     if command == "tiny-model":
         return _tiny_model(rest)
     if command == "report":
         return _report(rest)
+    if command in COMMANDS:
+        return _command(command, rest)
     if command not in RECIPES:
-        return _fail(command, f"unknown command; choose one of {', '.join([*RECIPES, 'report', 'tiny-model'])}")
+        return _fail(command, f"unknown command; choose one of {', '.join([*RECIPES, *COMMANDS, 'report', 'tiny-model'])}")
+    if not any(a in ("-h", "--help") for a in rest):
+        from .commands.presets import resolve_config_arg
+
+        try:  # a preset name or a docs path (examples/NAME.yaml) runs from any folder
+            rest = resolve_config_arg(command, rest)
+        except ConfigError as e:
+            return _fail(command, str(e))
     return run_recipe(command, rest)
 
 

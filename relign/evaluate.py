@@ -144,7 +144,8 @@ def evaluate(model, tokenizer, task, records, *, n=1, ks=(1,), temperature=0.0, 
                                     stop=list(stop), seed=seed + b)
             outs = engine.generate([p.prompt_ids for p in chunk], params)
             flat = [(p, c) for p, cs in zip(chunk, outs) for c in cs]
-            results = pool.score([p.prompt_text for p, _ in flat], [c.text for _, c in flat], [p.extra_info for p, _ in flat])
+            results = pool.score([p.prompt_text for p, _ in flat], [c.text for _, c in flat], [p.extra_info for p, _ in flat],
+                                  completion_ids=[c.token_ids for _, c in flat])
             for q, (p, completions) in enumerate(zip(chunk, outs)):
                 scored = results[q * n : (q + 1) * n]
                 problem_rows = [_sample_row(p, j, c, r, extract(c.text, p.extra_info) if voting else None, correct_threshold)

@@ -194,6 +194,3 @@ class Tracker:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
-        from .report import refresh_report  # here, not at the top: report reads metrics with this module
-
-        refresh_report(self.run_dir)  # report.html at the end of every run (never raises)

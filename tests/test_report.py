@@ -12,7 +12,8 @@ import pytest
 
 from relign import report
 from relign.cli import main
-from relign.report import build_traces, group_samples, nice_ticks, plan_charts, refresh_report, write_report
+from relign.report import build_traces, evalview, group_samples, nice_ticks, plan_charts, refresh_report, traces, util, write_report
+from relign.tracking import read_metrics
 
 from .conftest import run_cli, write_jsonl
 from .rl_toy import toy_overrides
@@ -43,11 +44,11 @@ def make_rl_run(root: Path, steps: int = 3) -> Path:
         rows.append({
             "step": s, "time": 1000.0 + 10 * s, "reward/mean": 0.1 * s, "reward/std": 0.05, "reward/score": 0.1 * s,
             "reward/lead": 0.2 * s, "reward/errors": 0.0, "actor/kl": 0.01 * s, "actor/entropy": 2.0 - 0.1 * s,
-            "actor/clip_frac": 0.02, "actor/grad_norm": 1.5, "actor/loss": -0.01, "actor/lr": 1e-6,
-            "critic/value_loss": 0.3, "response/length_mean": 10.0 + s, "response/length_max": 20.0,
-            "response/truncated_frac": 0.1, "time/rollout_s": 1.0, "time/train_s": 2.0, "time/sync_s": 0.1,
-            "perf/tokens_per_s": 1234.5, "rollout/rounds": 1.0, "custom/thing": float(s),
-            "weird": float("nan") if s == 2 else 1.0,
+            "actor/clip_frac": 0.02 * s, "actor/grad_norm": 1.5 + 0.1 * s, "actor/loss": -0.01 * s, "actor/lr": 1e-6,
+            "critic/value_loss": 0.3 / s, "response/length_mean": 10.0 + s, "response/length_max": 20.0,
+            "response/truncated_frac": 0.1 * s, "time/rollout_s": 1.0 + 0.1 * s, "time/train_s": 2.0, "time/sync_s": 0.1,
+            "perf/tokens_per_s": 1234.5 + s, "rollout/rounds": float(s), "custom/thing": float(s),
+            "weird": float("nan") if s == 2 else float(s),
         })
     rows.append({"step": steps, "time": 1000.0 + 10 * steps + 5, "eval/accuracy": 0.4, "eval/pass@4": 0.6, "eval/maj@4": 0.5})
     write_jsonl(root / "metrics.jsonl", rows)
@@ -69,8 +70,9 @@ def make_sft_run(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.yaml").write_text("model:\n  path: tiny:tiny\ndata:\n  path: data.jsonl\npacking: true\n")
     rows = [{"step": 0, "time": 5.0, "data/rows": 512.0, "data/kept": 510.0}]
-    rows += [{"step": s, "time": 5.0 + s, "train/loss": 8.0 - s, "train/grad_norm": 2.0, "train/lr": 1e-3,
-              "perf/tokens_per_s": 3000.0, "perf/step_seconds": 1.0} for s in range(1, 5)]
+    rows += [{"step": s, "time": 5.0 + s, "train/loss": 8.0 - s, "train/grad_norm": 2.0 + s / 10, "train/lr": 1e-3 / s,
+              "perf/tokens_per_s": 3000.0 + s, "perf/step_seconds": 1.0 / s, "train/epoch_constant": 0.5}
+             for s in range(1, 5)]
     rows += [{"step": 4, "time": 10.0, "eval/loss": 5.0}]
     write_jsonl(root / "metrics.jsonl", rows)
     return root
@@ -142,6 +144,36 @@ def _page(run_dir: Path) -> tuple[str, Page]:
     return text, Page(text)
 
 
+def _constant_table(text: str) -> dict[str, str]:
+    """The "Constant metrics" table of a single-run page: {metric: value as shown}."""
+    m = re.search(r'<table class="kv" id="constant-metrics">(.*?)</table>', text)
+    return dict(re.findall(r"<tr><th>(.*?)</th><td>(.*?)</td></tr>", m.group(1))) if m else {}
+
+
+def assert_every_chart_has_data(run_dir: Path, text: str) -> dict[str, dict[str, str]]:
+    """Every chart of the page has a series with two distinct finite values; every metric of
+    metrics.jsonl that varies is in a chart, every constant one in the constant table."""
+    page = Page(text)
+    charts = page.charts()
+    assert charts, "no chart on the page"
+    for metric, attrs in charts.items():
+        series = json.loads(attrs["data-points"])["series"]
+        assert all(y is not None and math.isfinite(y) for s in series for y in s["y"]), metric
+        assert any(len(set(s["y"])) >= 2 for s in series), (metric, series)
+    plotted = {k for a in charts.values() for k in [*a["data-keys"].split(), *a.get("data-band", "").split()]}
+    constant = _constant_table(text)
+    for key in {k for r in read_metrics(run_dir) for k in r if k not in ("step", "time")}:
+        values = [r[key] for r in read_metrics(run_dir) if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        if len(set(values)) >= 2:
+            assert key in plotted, (key, sorted(plotted))
+        elif len(values) >= 2:
+            assert key in constant or key in plotted, (key, sorted(constant))  # plotted: beside a metric that varies
+        else:
+            assert key not in constant  # logged once: in the final metrics
+    assert not plotted & constant.keys()
+    return charts
+
+
 def _assert_offline(text: str, page: Page) -> None:
     for _, attrs in page.elements:
         for name in ("src", "href", "action", "data", "poster"):
@@ -159,13 +191,17 @@ def test_rl_run_has_named_charts_traces_and_is_offline(tmp_path):
     charts = page.charts()
     for key in ("reward/mean", "reward/score", "eval/accuracy", "actor/kl", "actor/entropy", "response/length_mean",
                 "actor/clip_frac", "actor/grad_norm", "perf/tokens_per_s", "time/rollout_s", "actor/loss",
-                "critic/value_loss", "response/truncated_frac", "actor/lr", "custom/thing", "rollout/rounds"):
+                "critic/value_loss", "response/truncated_frac", "custom/thing", "rollout/rounds"):
         assert key in charts, (key, sorted(charts))
     assert charts["reward/mean"]["id"] == "chart-reward"
     assert "reward/lead" in charts["reward/score"]["data-keys"].split()
     assert set(charts["eval/accuracy"]["data-keys"].split()) == {"eval/accuracy", "eval/pass@4", "eval/maj@4"}
     assert set(charts["time/rollout_s"]["data-keys"].split()) == {"time/rollout_s", "time/train_s", "time/sync_s"}
-    assert "reward/std" not in charts and "reward/errors" in charts  # std is the band; a counter is its own plot
+    assert "reward/std" not in charts  # the band
+    # a flat line is a number: constant metrics are a table, not a plot
+    keys = {k for a in charts.values() for k in a["data-keys"].split()}
+    assert not {"reward/errors", "actor/lr"} & keys
+    assert _constant_table(text) == {"reward/errors": "0", "actor/lr": "1.000e-06"}
     assert 'class="band"' in text
     # every chart's embedded points are valid JSON and match the metrics
     points = json.loads(charts["reward/mean"]["data-points"])
@@ -206,7 +242,8 @@ def test_sft_run_plots_loss_and_omits_traces(tmp_path):
     charts = page.charts()
     assert set(charts["train/loss"]["data-keys"].split()) == {"train/loss", "eval/loss"}
     assert {"train/grad_norm", "perf/tokens_per_s", "train/lr", "perf/step_seconds"} <= charts.keys()
-    assert "data/rows" not in charts  # logged once: a number in the summary, not a curve
+    assert "data/rows" not in charts  # logged once: a number in the summary, not a curve ...
+    assert _constant_table(text) == {"train/epoch_constant": "0.5"}  # ... and not a constant either
     assert "trace-data" not in page.scripts and ">sft<" in text
     assert page.find("div", id="final-metrics") and "512" in text
 
@@ -227,7 +264,7 @@ def test_eval_run_has_grid_and_votes(tmp_path):
 
 
 def test_eval_grid_stops_at_its_size_budget(tmp_path, monkeypatch):
-    monkeypatch.setattr(report, "MAX_EVAL_BYTES", 100)
+    monkeypatch.setattr(evalview, "MAX_EVAL_BYTES", 100)
     text, page = _page(make_eval_run(tmp_path / "eval"))
     assert len(page.find("details", **{"class": "problem"})) == 1 and "Showing the first 1 of 2 problems" in text
 
@@ -265,20 +302,20 @@ def test_trace_caps_and_size_budget(tmp_path, monkeypatch):
     run = tmp_path / "rl"
     for s in range(1, 8):
         write_jsonl(run / "rollouts" / f"step_{s}.jsonl", [_trace(f"p{s}", "x" * 50, 1.0, 0.1)] * 5)
-    monkeypatch.setattr(report, "MAX_TRACE_STEPS", 4)
-    monkeypatch.setattr(report, "MAX_TRACE_ROWS", 3)
+    monkeypatch.setattr(traces, "MAX_TRACE_STEPS", 4)
+    monkeypatch.setattr(traces, "MAX_TRACE_ROWS", 3)
     full = build_traces(report.trace_files(run))
     assert [s["step"] for s in full["steps"]] == [4, 5, 6, 7] and full["total_steps"] == 7 and full["token_steps"] == 4
     assert all(len(s["rows"]) == 3 and s["total_rows"] == 5 for s in full["steps"])
     row = full["steps"][0]["rows"][0]
     assert row["tokens"] == ["x" * 3, "x" * 47] and row["response"] == "" and "token_mask" not in row  # all 1: implied
 
-    with_tokens = len(report._json(full["steps"][-1]))
-    text_only = len(report._json(report.trace_step(7, [_trace("p7", "x" * 50, 1.0, 0.1)] * 3, 5, token_detail=False)))
+    with_tokens = len(util._json(full["steps"][-1]))
+    text_only = len(util._json(report.trace_step(7, [_trace("p7", "x" * 50, 1.0, 0.1)] * 3, 5, token_detail=False)))
     assert text_only < with_tokens
     # room for two steps with tokens, then one more as text
-    monkeypatch.setattr(report, "MAX_TOKEN_BYTES", 2 * with_tokens + 10)
-    monkeypatch.setattr(report, "MAX_TRACE_BYTES", 2 * with_tokens + text_only + 10)
+    monkeypatch.setattr(traces, "MAX_TOKEN_BYTES", 2 * with_tokens + 10)
+    monkeypatch.setattr(traces, "MAX_TRACE_BYTES", 2 * with_tokens + text_only + 10)
     data = build_traces(report.trace_files(run))
     assert [s["step"] for s in data["steps"]] == [5, 6, 7] and data["token_steps"] == 2
     assert [s["token_detail"] for s in data["steps"]] == [False, True, True]  # the newest keep token detail
@@ -288,7 +325,7 @@ def test_trace_caps_and_size_budget(tmp_path, monkeypatch):
     assert "the last 3 of 7 steps" in text and "token detail for the newest 2" in text
 
     # a response longer than the token cap keeps its whole text next to the first tokens
-    monkeypatch.setattr(report, "MAX_TOKENS_PER_ROW", 1)
+    monkeypatch.setattr(traces, "MAX_TOKENS_PER_ROW", 1)
     long = report.trace_row(_trace("p", "x" * 50, 1.0, 0.1), 0)
     assert long["tokens"] == ["xxx"] and long["tokens_cut"] == 1 and long["response"] == "x" * 50
 
@@ -300,6 +337,17 @@ def test_chart_plan_and_ticks():
     assert ids["reward"] == ["reward/mean"] and ids["reward-components"] == ["reward/score"]
     assert ids["preference-rewards"] == ["rewards/chosen"] and ids["preference-accuracy"] == ["rewards/accuracy"]
     assert rest == {"foo": ["foo/bar", "foo/baz"], "other": ["plain"]}
+    # the names the DPO family, KTO and the reward model log (train/ and eval/ prefixes)
+    named, rest = plan_charts(["train/rewards/chosen", "train/rewards/rejected", "train/rewards/margins",
+                               "train/rewards/accuracy", "train/accuracy", "eval/rewards/margins", "eval/rewards/accuracy",
+                               "train/rewards/desirable", "train/logps/chosen", "train/kl", "perf/pairs_per_s"])
+    ids = {cid: keys for cid, _, keys, _ in named}
+    assert ids["preference-rewards"] == ["train/rewards/chosen", "train/rewards/rejected", "train/rewards/margins",
+                                         "train/rewards/desirable"]
+    assert ids["preference-eval-rewards"] == ["eval/rewards/margins"]
+    assert ids["preference-accuracy"] == ["train/rewards/accuracy", "train/accuracy", "eval/rewards/accuracy"]
+    assert ids["logps"] == ["train/logps/chosen"] and ids["kl"] == ["train/kl"] and ids["pairs-per-s"] == ["perf/pairs_per_s"]
+    assert rest == {}
     assert nice_ticks(0, 1) == [0, 0.25, 0.5, 0.75, 1.0]
     assert nice_ticks(-0.03, 0.97) == [0, 0.25, 0.5, 0.75]
     assert nice_ticks(3, 3) == [3]
@@ -327,10 +375,45 @@ def test_report_of_a_real_rl_run_through_the_cli(tiny_model_dir, tmp_path, capsy
     assert proc.stdout.strip() == f"report: {run / 'report.html'}"
     text = (run / "report.html").read_text()
     page = Page(text)
-    assert {"reward/mean", "actor/kl", "response/length_mean", "time/rollout_s", "reward/score"} <= page.charts().keys()
+    assert {"reward/mean", "time/rollout_s", "reward/score"} <= page.charts().keys()
+    assert_every_chart_has_data(run, text)  # and actor/kl: a plot if it moved off 0 in 2 steps, else in the table
+    # counters that never move in a single-turn run whose reward never fails: numbers, not flat plots
+    assert {"reward/errors": "0", "rollout/rounds": "1"}.items() <= _constant_table(text).items()
     data = json.loads(page.scripts["trace-data"])
     assert [s["step"] for s in data["steps"]] == [1, 2] and len(data["steps"][0]["rows"]) == 4
     assert data["steps"][0]["rows"][0]["tokens"] and ">rl<" in text
     _assert_offline(text, page)
     assert main(["report", str(tmp_path / "nope")]) == 2  # in-process: the same CLI, no second interpreter start
     assert "relign report: error: not found" in capsys.readouterr().err
+
+
+# Short real runs of each recipe through the CLI (3 steps): the charts the recipe's real metric
+# names give. The RL recipe is checked above, in test_report_of_a_real_rl_run_through_the_cli.
+PAIRS = ["data.max_rows=16", "data.max_length=192", "data.eval_fraction=0.25", "batch_size=4", "micro_batch_size=2",
+         "optim.lr=1e-3", "optim.warmup_ratio=0", "optim.schedule=constant"]
+REAL_RUNS = {  # name: (command, preset, overrides, named charts the page must have)
+    "sft": ("sft", "sft_tiny.yaml", ["data.max_rows=16", "data.max_length=256", "batch_size=4", "micro_batch_size=2"],
+            {"chart-loss": "train/loss", "chart-grad-norm": "train/grad_norm", "chart-lr": "train/lr"}),
+    # (accuracy is left out here: at step 1 the policy is its reference, and whether a tie of
+    # implicit rewards counts as correct is float noise; the plan of its chart is checked above)
+    "rm": ("rm", "rm.yaml", PAIRS, {"chart-loss": "train/loss", "chart-preference-rewards": "train/rewards/chosen"}),
+    "dpo": ("dpo", "dpo.yaml", PAIRS, {"chart-loss": "train/loss", "chart-preference-rewards": "train/rewards/chosen",
+                                       "chart-logps": "train/logps/chosen"}),
+    "kto": ("dpo", "kto.yaml", PAIRS, {"chart-loss": "train/loss", "chart-preference-rewards": "train/rewards/desirable"}),
+}
+
+
+@pytest.mark.parametrize("name", list(REAL_RUNS))
+def test_every_chart_of_a_real_run_has_data(name, tiny_model_dir, tmp_path):
+    command, preset, overrides, expected = REAL_RUNS[name]
+    run = tmp_path / name
+    # the CLI in-process (as tests/e2e/test_cli_search.py does): the same code path, no second interpreter start
+    assert main([command, str(Path(__file__).parents[1] / "examples" / preset), f"model.path={tiny_model_dir}", f"run_dir={run}",
+                 *overrides, "max_steps=3", "eval_every=0", "checkpoint.save_every=0", "checkpoint.save_final=false",
+                 "logging.tensorboard=false", "logging.progress=false"]) == 0
+    text = write_report(run).read_text()
+    charts = assert_every_chart_has_data(run, text)
+    by_id = {a["id"]: a["data-metric"] for a in charts.values()}
+    assert expected.items() <= by_id.items(), by_id
+    if name in ("rm", "dpo", "kto"):
+        assert "train/lr" in _constant_table(text)  # optim.schedule=constant: a number, not a flat plot

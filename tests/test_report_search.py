@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from relign import report, report_search
-from relign.report import load_run, write_report
+from relign import report
+from relign.report import load_run, search, sweep, tree, write_report
 
 from .conftest import write_jsonl
 from .test_report import EVIL, Page, _assert_offline, make_eval_run, make_rl_run
@@ -191,9 +191,9 @@ def test_untrusted_search_text_is_escaped(tmp_path):
 
 def test_caps_on_rows_trees_and_nodes(tmp_path, monkeypatch):
     root = make_single_search_run(tmp_path / "single", problems=7)
-    monkeypatch.setattr(report_search, "MAX_SEARCH_ROWS", 5)
-    monkeypatch.setattr(report_search, "MAX_SEARCH_TREES", 2)
-    monkeypatch.setattr(report_search, "MAX_TREE_NODES", 4)
+    monkeypatch.setattr(search, "MAX_SEARCH_ROWS", 5)
+    monkeypatch.setattr(search, "MAX_SEARCH_TREES", 2)
+    monkeypatch.setattr(tree, "MAX_TREE_NODES", 4)
     text, page = _page(root)
     problems = page.find("details", **{"class": "sproblem"})
     assert len(problems) == 5 and [p["data-tree"] for p in problems] == ["1", "1", "0", "0", "0"]
@@ -204,36 +204,36 @@ def test_caps_on_rows_trees_and_nodes(tmp_path, monkeypatch):
     assert "4 of 6 nodes shown (the chosen path, then breadth-first" in text
 
     # the size budget: rows stop early, and so do trees
-    monkeypatch.setattr(report_search, "MIN_FILE_BYTES", 0)
-    monkeypatch.setattr(report_search, "MAX_SEARCH_BYTES", 100)
+    monkeypatch.setattr(search, "MIN_FILE_BYTES", 0)
+    monkeypatch.setattr(search, "MAX_SEARCH_BYTES", 100)
     text, page = _page(root)
     assert len(page.find("details", **{"class": "sproblem"})) == 1 and "the first 1 of 7 problems (size budget)" in text
-    monkeypatch.setattr(report_search, "MAX_SEARCH_BYTES", 10_000_000)
-    monkeypatch.setattr(report_search, "MAX_TREE_BYTES", 10)
+    monkeypatch.setattr(search, "MAX_SEARCH_BYTES", 10_000_000)
+    monkeypatch.setattr(search, "MAX_TREE_BYTES", 10)
     text, page = _page(root)
     assert not page.find("div", **{"class": "tree"}) and "tree not embedded (size budget)" in text
 
 
 def test_build_tree_handles_orphans_cycles_and_deep_chains():
-    t = report_search.build_tree([{"id": 1, "parent": 0}, {"id": 2, "parent": 3}, {"id": 3, "parent": 2},
+    t = tree.build_tree([{"id": 1, "parent": 0}, {"id": 2, "parent": 3}, {"id": 3, "parent": 2},
                                   {"id": 4, "parent": 4}, "junk", {"parent": 1}])
     assert t.roots == ["1", "4"] and t.keep == {"1", "4"} and t.total == 4  # 2<->3 is a cycle: never reached
     chain = [{"id": i, "parent": i - 1 if i else None, "chosen": True} for i in range(5000)]
-    t = report_search.build_tree(chain, cap=2000, max_depth=120)
+    t = tree.build_tree(chain, cap=2000, max_depth=120)
     assert len(t.keep) == 120
-    html_text = report_search.render_tree(chain[:300], 0)  # iterative: no recursion limit
-    assert html_text.count("<li ") == report_search.MAX_TREE_DEPTH
+    html_text = tree.render_tree(chain[:300], 0)  # iterative: no recursion limit
+    assert html_text.count("<li ") == tree.MAX_TREE_DEPTH
 
 
 def test_log_ticks_and_linear_fallback():
-    assert report_search.log_ticks(100, 10_000) == [100, 1000, 10_000]
-    assert report_search.log_ticks(200, 3000) == [200, 500, 1000, 2000]
-    assert report_search.log_ticks(310, 900) == [500, 700]
+    assert sweep.log_ticks(100, 10_000) == [100, 1000, 10_000]
+    assert sweep.log_ticks(200, 3000) == [200, 500, 1000, 2000]
+    assert sweep.log_ticks(310, 900) == [500, 700]
     # tokens within a factor of 3: a linear axis
-    series, _ = report_search.sweep_series([{"strategy": "cot", "budget": None, "accuracy": 0.5, "tokens_per_question": 100},
+    series, _ = sweep.sweep_series([{"strategy": "cot", "budget": None, "accuracy": 0.5, "tokens_per_question": 100},
                                             {"strategy": "cot", "budget": 256, "accuracy": 0.6, "tokens_per_question": 200},
                                             {"strategy": "cot", "budget": 512, "accuracy": None}])
-    svg, log_x = report_search.sweep_chart_svg(series)
+    svg, log_x = sweep.sweep_chart_svg(series)
     assert not log_x and "(log scale)" not in svg and "no token budget" in svg
 
 
@@ -249,7 +249,7 @@ def test_runs_without_search_files_render_as_before(tmp_path):
 
 
 def test_assets_are_inlined_and_safe(tmp_path):
-    css, js = report_search.assets()
+    css, js = search.assets()
     assert "details.sproblem" in css and "search-file" in js and "innerHTML" not in js
     text, _ = _page(make_single_search_run(tmp_path / "single"))
     assert css in text and js in text

@@ -26,9 +26,10 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from .readers import DataError, read_records
-from .records import _maybe_json, _text, check_messages
-from .sft import DataStats, _encode, encode_sft
+from .readers import DataError, is_tabular, read_records
+from .records import _maybe_json, _text, check_messages, require_columns
+from .sft import _encode, encode_sft
+from .stats import DataStats, require_examples
 
 TRUNCATION = ("truncate", "drop")
 
@@ -60,6 +61,17 @@ class UnpairedExample:
 
 
 # --------------------------------------------------------------------------- normalize
+
+
+def pair_columns(chosen_key: str, rejected_key: str, prompt_key: str) -> tuple[set[str], str]:
+    """Columns a table of pairs must have, and how to say so."""
+    return {chosen_key, rejected_key}, (f"'{prompt_key}', '{chosen_key}' and '{rejected_key}' ('{prompt_key}' may be "
+                                        f"left out when '{chosen_key}'/'{rejected_key}' are whole conversations)")
+
+
+def unpaired_columns_ok(columns, completion_key: str, label_key: str, chosen_key: str, rejected_key: str) -> bool:
+    cols = set(columns)
+    return {completion_key, label_key} <= cols or {chosen_key, rejected_key} <= cols
 
 
 def _prompt(raw: dict, key: str, source: str, row: int) -> str | list[dict[str, str]]:
@@ -184,7 +196,8 @@ def encode_prompt_response(
     if isinstance(prompt, list) or chat_template:
         msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         msgs = _with_system(msgs, system)
-        record = {"messages": [*msgs, {"role": "assistant", "content": prefix + response}]}
+        # only the final reply is a target: assistant turns of a multi-turn prompt are context
+        record = {"messages": [*msgs, {"role": "assistant", "content": prefix + response}], "completion_start": len(msgs)}
         ids, mask = encode_sft(tokenizer, record, source="", row=0)
         plen = next(i for i, m in enumerate(mask) if m)  # assistant content starts here
         if prefix or not eos:
@@ -216,18 +229,25 @@ def build_pair_examples(
     path: str, tokenizer, *, split: str = "train", max_length: int = 1024, truncation: str = "truncate",
     skip_bad_rows: bool = False, prompt_key: str = "prompt", chosen_key: str = "chosen", rejected_key: str = "rejected",
     prefix_key: str = "prefix", chat_template: bool = True, system_prompt: str = "", max_rows: int = 0,
-    step_eos: bool = False,
+    step_eos: bool = False, key: str | None = None,
 ) -> tuple[list[PairExample], DataStats]:
     """Read, validate and tokenize a preference file into pairs.
 
     Rows with a ``prefix`` (step-wise DPO) end their chosen/rejected step without an end
     token unless ``step_eos``. Too-long pairs are cut to ``max_length`` (keeping the prompt)
-    or dropped."""
+    or dropped. A table with the wrong columns, or a file with no usable pair, raises
+    DataError even with ``skip_bad_rows``. ``key`` (``data.path``) is named in errors about
+    the path itself."""
     if truncation not in TRUNCATION:
         raise DataError(path, None, None, f"unknown truncation policy {truncation!r} (use {' or '.join(TRUNCATION)})")
-    stats = DataStats()
+    stats = DataStats(source=path, max_length=max_length, truncation=truncation)
     out: list[PairExample] = []
-    for row, raw in read_records(path, split, max_rows=max_rows):
+    check_columns = is_tabular(path)
+    for row, raw in read_records(path, split, max_rows=max_rows, on_bad_row=stats.on_bad_row(skip_bad_rows), key=key):
+        if check_columns and isinstance(raw, dict):
+            needed, expected = pair_columns(chosen_key, rejected_key, prompt_key)
+            require_columns(raw, path, needed <= set(raw), expected)
+            check_columns = False
         stats.rows += 1
         try:
             rec = normalize_pair(raw, path, row, prompt_key=prompt_key, chosen_key=chosen_key,
@@ -240,9 +260,7 @@ def build_pair_examples(
         except DataError as e:
             if not skip_bad_rows:
                 raise
-            stats.bad_rows += 1
-            if len(stats.errors) < 20:
-                stats.errors.append(str(e))
+            stats.skip(e)
             continue
         if plen != plen_r or c_ids[:plen] != r_ids[:plen]:  # pragma: no cover - both come from one prompt
             raise DataError(path, row, prompt_key, "chosen and rejected do not share the prompt's tokens")
@@ -254,6 +272,7 @@ def build_pair_examples(
         stats.truncated += "truncated" in (oc, orj)
         out.append(PairExample(c_ids, c_mask, r_ids, r_mask, plen, rec.get("margin", 0.0)))
     stats.kept = len(out)
+    require_examples(stats)
     return out, stats
 
 
@@ -261,14 +280,20 @@ def build_unpaired_examples(
     path: str, tokenizer, *, split: str = "train", max_length: int = 1024, truncation: str = "truncate",
     skip_bad_rows: bool = False, prompt_key: str = "prompt", completion_key: str = "completion", label_key: str = "label",
     chosen_key: str = "chosen", rejected_key: str = "rejected", chat_template: bool = True, system_prompt: str = "",
-    max_rows: int = 0,
+    max_rows: int = 0, key: str | None = None,
 ) -> tuple[list[UnpairedExample], DataStats]:
     """Read a KTO file: unpaired rows, or pairs split into a desirable and an undesirable row."""
     if truncation not in TRUNCATION:
         raise DataError(path, None, None, f"unknown truncation policy {truncation!r} (use {' or '.join(TRUNCATION)})")
-    stats = DataStats()
+    stats = DataStats(source=path, max_length=max_length, truncation=truncation)
     out: list[UnpairedExample] = []
-    for row, raw in read_records(path, split, max_rows=max_rows):
+    check_columns = is_tabular(path)
+    for row, raw in read_records(path, split, max_rows=max_rows, on_bad_row=stats.on_bad_row(skip_bad_rows), key=key):
+        if check_columns and isinstance(raw, dict):
+            ok = unpaired_columns_ok(raw, completion_key, label_key, chosen_key, rejected_key)
+            require_columns(raw, path, ok, f"'{prompt_key}', '{completion_key}' and '{label_key}' (or paired "
+                                           f"'{prompt_key}', '{chosen_key}' and '{rejected_key}')")
+            check_columns = False
         stats.rows += 1
         try:
             if isinstance(raw, dict) and completion_key not in raw and chosen_key in raw:
@@ -285,9 +310,7 @@ def build_unpaired_examples(
         except DataError as e:
             if not skip_bad_rows:
                 raise
-            stats.bad_rows += 1
-            if len(stats.errors) < 20:
-                stats.errors.append(str(e))
+            stats.skip(e)
             continue
         for (ids, mask, plen), label in encoded:
             ids, mask, outcome = _fit(ids, mask, plen, max_length, truncation)
@@ -297,4 +320,5 @@ def build_unpaired_examples(
             stats.truncated += outcome == "truncated"
             out.append(UnpairedExample(ids, mask, plen, label))
     stats.kept = len(out)
+    require_examples(stats)
     return out, stats

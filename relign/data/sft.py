@@ -10,11 +10,12 @@ rollouts rely on).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from .readers import DataError, read_records
-from .records import normalize_sft
+from .readers import DataError, is_tabular, read_records
+from .records import normalize_sft, require_columns, sft_columns_ok, sft_expected
+from .stats import DataStats, require_examples  # noqa: F401  (DataStats: imported from here by older code)
 
 TRUNCATION = ("truncate", "drop")
 
@@ -28,33 +29,15 @@ class SFTExample:
         return len(self.input_ids)
 
 
-@dataclass
-class DataStats:
-    rows: int = 0
-    kept: int = 0
-    bad_rows: int = 0
-    truncated: int = 0
-    dropped_too_long: int = 0
-    dropped_empty: int = 0
-    errors: list[str] = field(default_factory=list)
-
-    def as_metrics(self, prefix: str = "data/") -> dict[str, float]:
-        return {
-            f"{prefix}rows": self.rows,
-            f"{prefix}kept": self.kept,
-            f"{prefix}bad_rows": self.bad_rows,
-            f"{prefix}truncated": self.truncated,
-            f"{prefix}dropped_too_long": self.dropped_too_long,
-            f"{prefix}dropped_empty": self.dropped_empty,
-        }
-
-
 def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
 
-def encode_chat(tokenizer, messages: list[dict[str, str]], source: str = "", row: int = 0) -> tuple[list[int], list[int]]:
-    """Ids and mask of a chat, trainable on every assistant turn (content + end-of-turn)."""
+def encode_chat(
+    tokenizer, messages: list[dict[str, str]], source: str = "", row: int = 0, *, train_from: int = 0
+) -> tuple[list[int], list[int]]:
+    """Ids and mask of a chat, trainable on every assistant turn (content + end-of-turn) from
+    message ``train_from`` on (earlier ones are a prompt: TRL's conversational prompt/completion)."""
     ids: list[int] = []
     mask: list[int] = []
     rendered = ""
@@ -76,7 +59,7 @@ def encode_chat(tokenizer, messages: list[dict[str, str]], source: str = "", row
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
 
     for i, msg in enumerate(messages):
-        if msg["role"] == "assistant":
+        if msg["role"] == "assistant" and i >= train_from:
             add(render(messages[:i], True), 0)
             add(render(messages[: i + 1], False), 1)
         else:
@@ -98,10 +81,10 @@ def encode_sft(
         msgs = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
         record = {"messages": msgs}
     if "messages" in record:
-        msgs = record["messages"]
+        msgs, start = record["messages"], record.get("completion_start", 0)
         if system_prompt and msgs[0]["role"] != "system":
-            msgs = [{"role": "system", "content": system_prompt}] + msgs
-        return encode_chat(tokenizer, msgs, source, row)
+            msgs, start = [{"role": "system", "content": system_prompt}] + msgs, start + (start > 0)
+        return encode_chat(tokenizer, msgs, source, row, train_from=start)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if "prompt" in record:
         p = tokenizer(record["prompt"], add_special_tokens=True)["input_ids"] if record["prompt"] else []
@@ -138,24 +121,30 @@ def build_sft_examples(
     chat_template: bool = False,
     system_prompt: str = "",
     max_rows: int = 0,
+    key: str | None = None,
 ) -> tuple[list[SFTExample], DataStats]:
     """Read, validate and tokenize a whole SFT file. Bad rows raise DataError unless
-    ``skip_bad_rows``, in which case they are skipped and counted in the stats."""
+    ``skip_bad_rows``, in which case they are skipped and counted in the stats. A file with
+    the wrong columns, or with no usable row, raises DataError either way. ``key`` is the
+    config key of ``path`` (``data.path``), named in errors about the path itself."""
     if truncation not in TRUNCATION:
         raise DataError(path, None, None, f"unknown truncation policy {truncation!r} (use {' or '.join(TRUNCATION)})")
-    stats = DataStats()
+    stats = DataStats(source=path, max_length=max_length, truncation=truncation)
     examples: list[SFTExample] = []
-    for row, raw in read_records(path, split, max_rows=max_rows):
+    keys = dict(prompt_key=prompt_key, response_key=response_key, messages_key=messages_key)
+    check_columns = is_tabular(path)
+    for row, raw in read_records(path, split, max_rows=max_rows, on_bad_row=stats.on_bad_row(skip_bad_rows), key=key):
+        if check_columns and isinstance(raw, dict):
+            require_columns(raw, path, sft_columns_ok(raw, **keys), sft_expected(**keys))
+            check_columns = False
         stats.rows += 1
         try:
-            rec = normalize_sft(raw, path, row, prompt_key=prompt_key, response_key=response_key, messages_key=messages_key)
+            rec = normalize_sft(raw, path, row, **keys)
             ids, mask = encode_sft(tokenizer, rec, chat_template=chat_template, system_prompt=system_prompt, source=path, row=row)
         except DataError as e:
             if not skip_bad_rows:
                 raise
-            stats.bad_rows += 1
-            if len(stats.errors) < 20:
-                stats.errors.append(str(e))
+            stats.skip(e)
             continue
         if mask:
             mask[0] = 0  # nothing predicts the first token (and, packed, it would see the previous example)
@@ -169,4 +158,5 @@ def build_sft_examples(
         stats.truncated += outcome == "truncated"
         examples.append(SFTExample(ids, mask))
     stats.kept = len(examples)
+    require_examples(stats)
     return examples, stats

@@ -39,6 +39,9 @@ TEMPLATE = "Compute {expression}."
 # The answer: the last "####", then an integer, then at most a period and whitespace.
 _ANSWER = re.compile(r"[ \t]*(-?\d+)\.?\s*")
 _MARKER = "####"
+# What may follow the last "####": an answer is a few digits. Longer text is refused before the
+# regex and int() see it (int() of a 1 MB digit string raises, past Python's 4300-digit limit).
+MAX_ANSWER_CHARS = 64
 
 
 # --------------------------------------------------------------------------- problems
@@ -127,7 +130,10 @@ def extract_answer(response: str) -> int | None:
     """The integer after the last ``####`` (only a period and whitespace may follow); else None."""
     if _MARKER not in response:
         return None
-    m = _ANSWER.fullmatch(response.rsplit(_MARKER, 1)[1])
+    after = response.rsplit(_MARKER, 1)[1]
+    if len(after.strip()) > MAX_ANSWER_CHARS:
+        return None
+    m = _ANSWER.fullmatch(after)
     return int(m.group(1)) if m else None
 
 

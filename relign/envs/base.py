@@ -11,11 +11,16 @@ plus keyword options (``{"format_weight": 0.1}``), so the same reward runs in-pr
 (``Task.reward``) or in sandboxed worker processes (``RewardPool(task.reward_spec,
 kwargs=task.reward_kwargs)`` or ``RewardPool.from_task(task)``), which load it by that spec.
 
-Reward functions follow one signature::
+Reward functions follow one of two signatures (``detect_reward_style`` tells which from the
+signature; ``Task.reward_style`` overrides it)::
 
-    def reward(prompt: str, response: str, extra_info: dict, **options) -> float | dict
+    def reward(prompt: str, response: str, extra_info: dict, **options) -> float | dict     # per sample
+    def reward(prompts: list, completions: list, **kwargs) -> list[float | dict | None]     # batched (TRL)
 
-returning a number, or ``{"reward": float, "score": float, "components": {name: float}}``.
+returning a number, or ``{"reward": float, "score": float, "components": {name: float}}``
+(per sample, or one per completion in a list). A batched function is called with keywords, as
+TRL calls it: ``prompts``, ``completions``, ``completion_ids`` (when the caller has them), each
+``extra_info`` key as a list over the batch (``answer=[...]``) and the fixed options.
 ``reward`` trains, ``score`` is logged as accuracy. The built-in tasks return
 ``reward = correct + format_weight * format``, ``score = correct`` and
 ``components = {"correct": ..., "format": ...}`` (``combine``).
@@ -30,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import math
 import numbers
 import sys
@@ -54,6 +60,8 @@ class RewardResult:
     score: float
     components: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    message: str | None = field(default=None, compare=False, repr=False)
+    """What went wrong (``"RuntimeError: boom"``) when ``error`` is set; not part of equality."""
 
 
 def _finite(value: Any, what: str) -> float:
@@ -93,6 +101,88 @@ def normalize_reward(value: Any) -> RewardResult:
         f"a reward function must return a number or a dict with 'reward' (and optional 'score', "
         f"'components'), got {type(value).__name__}: {value!r:.80}"
     )
+
+
+REWARD_STYLES = ("auto", "sample", "batch")
+# TRL's reward functions take the batch as ``prompts=[...], completions=[...]``.
+_BATCH_FIRST_PARAMS = ("prompts", "completions")
+# Keywords a batched call always sets; an extra_info key of the same name is not passed.
+_BATCH_RESERVED = ("prompts", "completions", "completion_ids")
+
+
+def detect_reward_style(fn: Callable[..., Any], style: str = "auto") -> str:
+    """``"sample"`` (``fn(prompt, response, extra_info, **options)``) or ``"batch"`` (TRL's
+    ``fn(prompts, completions, **kwargs) -> list``).
+
+    ``style="auto"`` reads the signature: a function whose first parameter is named ``prompts``
+    or ``completions`` is batched, any other is per-sample. ``"sample"``/``"batch"`` override it
+    (``task.reward_style``), e.g. for a batched function with other parameter names.
+    """
+    if style not in REWARD_STYLES:
+        raise ValueError(f"task.reward_style={style!r}: expected one of {', '.join(REWARD_STYLES)}")
+    if style != "auto":
+        return style
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # some builtins and C callables have no signature
+        return "sample"
+    named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return "batch" if named and named[0].name in _BATCH_FIRST_PARAMS else "sample"
+
+
+def call_batch(
+    fn: Callable[..., Any],
+    prompts: list[Any],
+    completions: list[str],
+    extra_infos: list[dict],
+    options: dict[str, Any],
+    completion_ids: list[list[int]] | None = None,
+) -> Any:
+    """Call a batched (TRL-style) reward function the way TRL does: all keywords.
+
+    Each ``extra_info`` key becomes a list over the batch (None where a sample lacks it), as TRL
+    passes a dataset's other columns; ``options`` (``format_weight``, ...) pass as they are and
+    win over a column of the same name.
+    """
+    columns: dict[str, list[Any]] = {}
+    for info in extra_infos:
+        for key in info:
+            if key not in columns and key not in _BATCH_RESERVED:
+                columns[key] = [i.get(key) for i in extra_infos]
+    kwargs: dict[str, Any] = {**columns, **options, "prompts": list(prompts), "completions": list(completions)}
+    if completion_ids is not None:
+        kwargs["completion_ids"] = [list(ids) for ids in completion_ids]
+    return fn(**kwargs)
+
+
+def normalize_batch(value: Any, n: int) -> list[RewardResult | str]:
+    """Turn what a batched reward function returned for ``n`` completions into one entry each:
+    a ``RewardResult``, or an error message (str) for an element that is not a valid reward.
+
+    The whole return value must be a list (tuple, numpy array, tensor) of exactly ``n``
+    elements, else ``TypeError``/``ValueError`` (every sample of the batch fails). ``None`` is
+    TRL's "this function does not apply to this sample": it scores 0 and is counted as an
+    error, so a function that returns only None is as loud as one that raises.
+    """
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+        value = value.tolist()  # numpy array / torch tensor -> python numbers
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(
+            f"a batched reward function must return a list of {n} rewards (one per completion), "
+            f"got {type(value).__name__}: {value!r:.80}"
+        )
+    if len(value) != n:
+        raise ValueError(f"a batched reward function returned {len(value)} rewards for {n} completions")
+    out: list[RewardResult | str] = []
+    for i, v in enumerate(value):
+        if v is None:
+            out.append(f"reward {i} of the batch is None (TRL's 'not applicable'): scored 0")
+            continue
+        try:
+            out.append(normalize_reward(v))
+        except (TypeError, ValueError) as e:
+            out.append(f"reward {i} of the batch: {type(e).__name__}: {e}")
+    return out
 
 
 def combine(correct: float, fmt: float, format_weight: float = 0.0) -> dict[str, Any]:
@@ -139,6 +229,11 @@ def load_function(spec: str) -> Callable[..., Any]:
             sys.modules[name] = module
             try:
                 mod_spec.loader.exec_module(module)
+            except Exception as e:
+                # A syntax error or an exception while the file runs: one line naming the spec,
+                # the file and the line, not a traceback through importlib.
+                del sys.modules[name]
+                raise ValueError(f"function spec {spec!r}: cannot load {path}: {_load_error(e, path)}") from None
             except BaseException:
                 del sys.modules[name]
                 raise
@@ -148,6 +243,8 @@ def load_function(spec: str) -> Callable[..., Any]:
             module = importlib.import_module(target)
         except ImportError as e:
             raise ValueError(f"function spec {spec!r}: cannot import module '{target}': {e}") from e
+        except Exception as e:  # a SyntaxError (or any error) inside the module
+            raise ValueError(f"function spec {spec!r}: cannot import module '{target}': {_load_error(e, None)}") from None
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -157,6 +254,22 @@ def load_function(spec: str) -> Callable[..., Any]:
     if not callable(obj):
         raise TypeError(f"function spec {spec!r}: '{attr}' is a {type(obj).__name__}, not a function")
     return obj
+
+
+def _load_error(e: Exception, path: Path | None) -> str:
+    """``"SyntaxError: invalid syntax (line 3)"``: the error on one line, with the line of the
+    user's file where it happened."""
+    if isinstance(e, SyntaxError):
+        line = f" (line {e.lineno})" if e.lineno else ""
+        return f"{type(e).__name__}: {e.msg}{line}"
+    line = ""
+    tb = e.__traceback__
+    while tb is not None:  # the innermost frame in the user's file
+        if path is None or Path(tb.tb_frame.f_code.co_filename).resolve() == path:
+            line = f" (line {tb.tb_lineno})"
+        tb = tb.tb_next
+    text = " ".join(str(e).split())[:300]
+    return f"{type(e).__name__}: {text}{line}"
 
 
 # --------------------------------------------------------------------------- tasks
@@ -190,6 +303,10 @@ class Task:
     """The reward function by spec (``"relign.envs.gsm8k:reward"``), as RewardPool loads it."""
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword options passed to the reward function on every call."""
+    reward_style: str = "auto"
+    """How the reward function is called: "sample" (``fn(prompt, response, extra_info)``),
+    "batch" (TRL's ``fn(prompts=[...], completions=[...], **columns) -> list``), or "auto"
+    (from its signature, ``detect_reward_style``)."""
     default_path: str | None = None
     """Used by ``load()`` without a path: the shipped file, or a hub id."""
     split: str = "test"
@@ -273,8 +390,15 @@ class Task:
         return fn
 
     def reward(self, prompt: str, response: str, extra_info: dict) -> float | dict:
-        """Score one response in this process (no timeout: see ``RewardPool`` for that)."""
-        return self.reward_fn(prompt, response, extra_info, **self.reward_kwargs)
+        """Score one response in this process (no timeout: see ``RewardPool`` for that). A
+        batched reward function is called with a batch of one."""
+        fn = self.reward_fn
+        if detect_reward_style(fn, self.reward_style) == "sample":
+            return fn(prompt, response, extra_info, **self.reward_kwargs)
+        (out,) = normalize_batch(call_batch(fn, [prompt], [response], [extra_info], self.reward_kwargs), 1)
+        if isinstance(out, str):
+            raise ValueError(out)
+        return {"reward": out.reward, "score": out.score, "components": out.components}
 
     def _spec_fn(self, key: str, spec: str) -> Callable[..., Any]:
         fn = self.__dict__.get(key)
@@ -307,6 +431,7 @@ def make_custom_task(
     system_prompt: str | None = None,
     reward_kwargs: dict[str, Any] | None = None,
     name: str = "custom",
+    reward_style: str = "auto",
 ) -> Task:
     """A task from any data file and a reward function given by spec.
 
@@ -314,9 +439,10 @@ def make_custom_task(
     as it is). ``extra_info`` is the row's ``extra_info`` object if it has one, else every
     other field of the row (``{"prompt": ..., "answer": "42"}`` -> ``{"answer": "42"}``).
     ``template`` may reference any field as ``{field}``; the default is ``{<prompt_key>}``.
-    The reward function is loaded once here, so a bad spec fails before training starts.
+    The reward function is loaded once here, so a bad spec fails before training starts;
+    ``reward_style`` ("auto", "sample", "batch") says how it is called (``detect_reward_style``).
     """
-    load_function(reward_fn_spec)
+    detect_reward_style(load_function(reward_fn_spec), reward_style)
 
     def parse_row(raw: dict, source: str, row: int) -> tuple[dict, dict]:
         if raw.get(prompt_key) is None:
@@ -342,6 +468,7 @@ def make_custom_task(
         template=template or "{" + prompt_key + "}",
         reward_spec=reward_fn_spec,
         reward_kwargs=dict(reward_kwargs or {}),
+        reward_style=reward_style,
         default_path=data_path,
         split=split,
         chat=chat,

@@ -15,7 +15,6 @@ or rows ``{"nums": [...], "target": n}`` such as the hub's ``"Jiayi-Pan/Countdow
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from fractions import Fraction
 from typing import Any
@@ -34,13 +33,25 @@ TEMPLATE = (
     "Think step by step, then give only the expression inside <answer> </answer> tags, for example <answer>(1 + 2) / 3</answer>."
 )
 
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_OPEN, _CLOSE = "<answer>", "</answer>"
 
 
 def extract_answer(response: str) -> str | None:
-    """The content of the last ``<answer>...</answer>``, stripped; None if there is none."""
-    matches = _ANSWER.findall(response)
-    return matches[-1].strip() if matches else None
+    """The content of the last ``<answer>...</answer>``, stripped; None if there is none.
+
+    The same pairs as ``re.findall(r"<answer>(.*?)</answer>", DOTALL)`` (each ``<answer>``
+    with the first ``</answer>`` after it, left to right), found with ``str.find`` in one pass:
+    the regex rescans to the end from every unclosed ``<answer>``, which is quadratic on a
+    hostile response made of thousands of them."""
+    last = None
+    pos = 0
+    while (start := response.find(_OPEN, pos)) >= 0:
+        end = response.find(_CLOSE, start + len(_OPEN))
+        if end < 0:
+            break
+        last = (start + len(_OPEN), end)
+        pos = end + len(_CLOSE)
+    return response[last[0] : last[1]].strip() if last else None
 
 
 def check_expression(expr: str, nums: list[int], target: int | Fraction) -> bool:

@@ -4,7 +4,8 @@ The model ends with ``#### <number>``. Grading takes the first number after the 
 ``####``; without one, the last number anywhere in the response (the "flexible" mode of
 lm-eval-harness). Numbers are normalized — thousands commas, a leading ``$``, a minus sign
 (ASCII or U+2212), a trailing period, decimals (``5.00`` == ``5``) — and compared as exact
-decimals within 1e-6.
+decimals within 1e-6. A "number" longer than ``MAX_NUMBER_CHARS`` characters is no answer:
+model output is untrusted, and a million-digit number would overflow ``Decimal``'s exponent.
 
 Data: the shipped test set (1319 rows, MIT) or any file/hub id with ``question`` and
 ``answer`` (``"...\\n#### 72"``) fields, e.g. ``"openai/gsm8k:main"`` (split ``train``/``test``).
@@ -27,6 +28,9 @@ TEMPLATE = (
     'Solve the problem step by step. At the end, write the final answer as a number on its own line, as "#### <number>".'
 )
 TOLERANCE = 1e-6
+# Longer digit strings are not answers (GSM8K's are at most 9 characters); the bound keeps every
+# Decimal small, so grading a hostile 1 MB "number" is as cheap as grading "42".
+MAX_NUMBER_CHARS = 64
 
 # A number as people write it: optional minus (ASCII or U+2212), optional $, digits with
 # thousands commas or plain digits, optional decimals. "1,2,3" reads as 1, 2, 3 (not 123)
@@ -48,8 +52,11 @@ def parse_number(text: str) -> Decimal | None:
 
 
 def _to_decimal(m: re.Match) -> Decimal | None:
+    digits = m.group("digits")
+    if len(digits) > MAX_NUMBER_CHARS:
+        return None
     try:
-        value = Decimal(m.group("digits").replace(",", ""))
+        value = Decimal(digits.replace(",", ""))
     except InvalidOperation:  # pragma: no cover - the regex only admits valid digits
         return None
     return -value if m.group("sign") else value
@@ -62,8 +69,10 @@ def extract_answer(response: str) -> Decimal | None:
         value = parse_number(after)
         if value is not None:
             return value
-    matches = list(_NUMBER.finditer(response))
-    return _to_decimal(matches[-1]) if matches else None
+    last = None
+    for last in _NUMBER.finditer(response):  # keep only the last match: no list of a 1 MB answer's numbers
+        pass
+    return _to_decimal(last) if last is not None else None
 
 
 def is_correct(response: str, answer: str | int | float) -> bool:

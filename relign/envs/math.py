@@ -7,6 +7,16 @@ Equivalence is decided by ``math_verify`` (Hugging Face Math-Verify): the gold a
 parsed as ``$<answer>$``, the prediction as ``\\boxed{<content>}``; all 500 MATH-500 gold
 answers verify against themselves this way (tests/envs/test_math.py).
 
+Hostile answers: model output is untrusted, and sympy will happily spend minutes building
+``9^{9^{9^9}}`` or ``100000000!``. Before math_verify sees a boxed answer, ``answer_problem``
+refuses, in microseconds and without parsing: answers longer than ``MAX_ANSWER_CHARS``, nested
+deeper than ``MAX_NESTING``, powers whose exponent is a number above ``MAX_EXPONENT`` or itself a
+numeric power (a tower), factorials of numbers above ``MAX_FACTORIAL``, and binomials of numbers
+above ``MAX_EXPONENT``. Such an answer is simply wrong. (No MATH-500 answer comes near: the
+longest has 53 characters, the deepest nests 2 groups.) Nothing is ever executed: math_verify
+parses LaTeX with its own grammar, and its plain-expression fallback admits only digits and
+operators. Its log lines (a timeout logs the whole expression) are cut to 80 characters.
+
 Timeouts: math_verify guards parsing and comparison with ``signal.alarm``, which works only in
 a process's main thread. We pass its timeout only when called from the main thread (for
 example inside a ``RewardPool`` worker, where it turns a slow sympy call into a plain 0) and
@@ -20,6 +30,8 @@ and ``answer`` fields (``"HuggingFaceH4/MATH-500"``, split ``test``); rows with 
 from __future__ import annotations
 
 import functools
+import logging
+import re
 import threading
 from typing import Any
 
@@ -34,60 +46,67 @@ TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer wit
 MATH_VERIFY_TIMEOUT = 5
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
+_BOX_START = re.compile("|".join(re.escape(c) for c in _BOX_COMMANDS))
+_BRACE_EVENTS = re.compile(r"\\.|[{}]", re.DOTALL)
+
+# Bounds on a boxed answer before math_verify parses it (see the module docstring).
+MAX_ANSWER_CHARS = 300
+MAX_NESTING = 12
+MAX_EXPONENT = 10_000
+MAX_FACTORIAL = 1_000
+LOG_CHARS = 80
 
 
 def _balanced(text: str, start: int) -> int | None:
     """Index just past the brace group opening at ``text[start] == "{"``; None if unbalanced."""
     depth = 0
-    i = start
-    while i < len(text):
-        c = text[i]
-        if c == "\\":  # an escaped character (\{, \}, \\) never opens or closes a group
-            i += 2
-            continue
+    # only braces and escapes matter: the regex skips everything else in C (a 1 MB answer is one scan)
+    for m in _BRACE_EVENTS.finditer(text, start):
+        c = m.group()
         if c == "{":
             depth += 1
         elif c == "}":
             depth -= 1
             if depth == 0:
-                return i + 1
-        i += 1
+                return m.end()
+        # else an escaped character (\{, \}, \\): never opens or closes a group
     return None
 
 
 def _boxes(text: str) -> list[tuple[int, int, str]]:
-    """Top-level ``\\boxed``/``\\fbox`` groups as (start, end, content), left to right."""
+    """Top-level ``\\boxed``/``\\fbox`` groups as (start, end, content), left to right.
+
+    Linear in ``len(text)``: the scan only moves forward and copies nothing after its position
+    (a response of 100k boxes must not cost 100k scans of the rest)."""
     found = []
+    n = len(text)
     i = 0
     while True:
-        starts = [(text.find(cmd, i), cmd) for cmd in _BOX_COMMANDS]
-        starts = [(s, cmd) for s, cmd in starts if s >= 0]
-        if not starts:
+        m = _BOX_START.search(text, i)
+        if m is None:
             return found
-        s, cmd = min(starts)
-        j = s + len(cmd)
-        rest = text[j:]
-        stripped = rest.lstrip()
-        if stripped.startswith("{"):
-            open_at = j + (len(rest) - len(stripped))
-            end = _balanced(text, open_at)
+        s, j = m.span()
+        k = j
+        while k < n and text[k].isspace():
+            k += 1
+        if k < n and text[k] == "{":
+            end = _balanced(text, k)
             if end is None:  # unclosed: nothing after it can be a complete box either
                 return found
-            found.append((s, end, text[open_at + 1 : end - 1].strip()))
+            found.append((s, end, text[k + 1 : end - 1].strip()))
             i = end
-        elif rest[:1].isspace() and stripped:
+        elif k > j and k < n:
             # "\boxed 5" / "\boxed -3$": up to the next whitespace or "$"
-            k = 0
-            while k < len(stripped) and not stripped[k].isspace() and stripped[k] != "$":
-                k += 1
-            content = stripped[:k].rstrip(".,;")
-            end = j + (len(rest) - len(stripped)) + k
+            e = k
+            while e < n and not text[e].isspace() and text[e] != "$":
+                e += 1
+            content = text[k:e].rstrip(".,;")
             if content:
-                found.append((s, end, content))
-            i = end
+                found.append((s, e, content))
+            i = e
         else:  # "\boxedfoo" or "\boxed" at the end: not a box
             i = j
-        if i >= len(text):
+        if i >= n:
             return found
 
 
@@ -95,6 +114,110 @@ def last_boxed(text: str) -> str | None:
     """The content of the last top-level ``\\boxed{...}`` / ``\\fbox{...}`` / ``\\boxed x``."""
     boxes = _boxes(text)
     return boxes[-1][2] if boxes else None
+
+
+# A number, or a group of digits and operators only (no variable): its value is a concrete
+# integer that sympy will compute.
+_INT = re.compile(r"\d+")
+_NUMERIC = re.compile(r"[\d\s.+\-*/^!(){}\[\]]*")
+_LATEX_NOISE = re.compile(r"\\(?:left|right|cdot|times|div|,|;|!| )")
+_BINOMIAL = re.compile(r"\\[dt]?binom|\\choose")
+
+
+def _nesting(text: str) -> int:
+    depth = deepest = 0
+    for c in text:
+        if c in "({[":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in ")}]":
+            depth -= 1
+    return deepest
+
+
+def _numeric_size(group: str) -> float | None:
+    """A bound on the value of a group of digits and operators (the product of its integers,
+    or infinity if it holds a power or a factorial); None if it holds a variable."""
+    group = _LATEX_NOISE.sub(" ", group)
+    if not _NUMERIC.fullmatch(group):
+        return None
+    if "^" in group or "!" in group:
+        return float("inf")
+    bound = 1.0
+    for m in _INT.finditer(group):
+        bound *= max(1.0, float(int(m.group()[:20])))  # 20 digits already exceed every limit
+    return bound
+
+
+def _exponent(text: str, at: int) -> str:
+    """The exponent of the ``^`` at ``text[at]``: a ``{...}`` group, a run of digits, or one
+    token; with a ``^`` right after it (``9^9^9``, ``9**9**9`` read as a tower) included."""
+    k = at + 1
+    while k < len(text) and text[k].isspace():
+        k += 1
+    if k < len(text) and text[k] == "{":
+        end = _balanced(text, k) or len(text)
+        exp = text[k + 1 : end - 1]
+    else:
+        m = _INT.match(text, k)
+        end = m.end() if m else k + 1
+        exp = text[k:end]
+    return exp + "^" if text[end:].lstrip().startswith("^") else exp
+
+
+def _factorial_operand(text: str, at: int) -> str:
+    """What the ``!`` at ``text[at]`` applies to: the digits, or the bracket group, before it."""
+    k = at
+    while k > 0 and text[k - 1].isspace():
+        k -= 1
+    if k > 0 and text[k - 1] in ")}]":
+        depth = 0
+        for j in range(k - 1, -1, -1):
+            depth += text[j] in ")}]"
+            depth -= text[j] in "({["
+            if depth == 0:
+                return text[j + 1 : k - 1]
+        return text[:k]
+    j = k
+    while j > 0 and text[j - 1].isdigit():
+        j -= 1
+    return text[j:k]
+
+
+def answer_problem(content: str) -> str | None:
+    """Why a boxed answer is refused before parsing (too long, too deep, or an integer too
+    large to compute), or None if math_verify may grade it. Cheap: a few linear scans."""
+    if len(content) > MAX_ANSWER_CHARS:
+        return f"longer than {MAX_ANSWER_CHARS} characters"
+    if _nesting(content) > MAX_NESTING:
+        return f"nested deeper than {MAX_NESTING}"
+    text = content.replace("**", "^")
+    for at in (i for i, c in enumerate(text) if c == "^"):
+        size = _numeric_size(_exponent(text, at))
+        if size is not None and size > MAX_EXPONENT:
+            return f"a power with an exponent above {MAX_EXPONENT} or a power tower"
+    for at in (i for i, c in enumerate(text) if c == "!" and (i == 0 or text[i - 1] != "\\")):
+        size = _numeric_size(_factorial_operand(text, at))
+        if size is not None and size > MAX_FACTORIAL:
+            return f"a factorial of a number above {MAX_FACTORIAL}"
+    if _BINOMIAL.search(text) and any(len(m.group()) > len(str(MAX_EXPONENT)) for m in _INT.finditer(text)):
+        return f"a binomial of numbers above {MAX_EXPONENT}"
+    return None
+
+
+class _ShortLogs(logging.Filter):
+    """Cut math_verify's log lines: a parsing timeout logs the whole expression (1 MB, if that
+    is what a model wrote)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if len(text) > LOG_CHARS:
+            record.msg, record.args = text[:LOG_CHARS] + "...", None
+        return True
+
+
+for _name in ("math_verify.parser", "math_verify.grader", "math_verify.metric"):
+    logging.getLogger(_name).addFilter(_ShortLogs())
 
 
 def _timeout() -> int | None:
@@ -113,6 +236,8 @@ def is_equivalent(gold: str, predicted: str) -> bool:
     """math_verify's judgement of ``predicted`` (a boxed content) against ``gold``."""
     from math_verify import parse, verify
 
+    if answer_problem(predicted) is not None or answer_problem(gold) is not None:
+        return False
     timeout = _timeout()
     gold_parsed = list(_parse_gold(gold, timeout))
     if not gold_parsed:
@@ -135,8 +260,9 @@ def format_ok(response: str) -> bool:
 
 def reward(prompt: str, response: str, extra_info: dict, *, format_weight: float = 0.0) -> dict[str, Any]:
     """1 if the last boxed answer is equivalent to ``extra_info["answer"]``, plus format bonus."""
-    correct = float(is_correct(response, extra_info["answer"]))
-    return combine(correct, float(format_ok(response)), format_weight)
+    content = last_boxed(response)  # once: a long response is scanned a single time
+    correct = float(bool(content) and is_equivalent(str(extra_info["answer"]), content))
+    return combine(correct, float(bool(content)), format_weight)
 
 
 def final_answer(response: str, extra_info: dict | None = None) -> str | None:

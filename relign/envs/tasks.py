@@ -15,12 +15,13 @@ from dataclasses import replace
 from typing import Any
 
 from relign.config import ConfigError
-from relign.envs.base import Task, get_task, load_function
+from relign.envs.base import Task, detect_reward_style, get_task, load_function
 from relign.strategies.base import Problem
 
 
 def build_task(name: str, *, path: str = "", reward_fn: str = "", chat: bool = True, system_prompt: str = "",
-               format_weight: float = 0.0, extract_fn: str = "", equal_fn: str = "", single_turn: bool = True) -> Task:
+               format_weight: float = 0.0, extract_fn: str = "", equal_fn: str = "", single_turn: bool = True,
+               reward_style: str = "auto") -> Task:
     """The task as ``relign rl`` builds it (``reward_fn`` replaces a built-in task's reward; a
     custom task needs ``path`` and ``reward_fn``), with optional answer extractor / equivalence
     overrides for maj@k. ``single_turn`` refuses a task that runs in a multi-turn environment
@@ -32,12 +33,12 @@ def build_task(name: str, *, path: str = "", reward_fn: str = "", chat: bool = T
         if name == "custom":
             if not (path and reward_fn):
                 raise ConfigError("task.name=custom needs the problems' path and task.reward_fn ('file.py:function')")
-            task = get_task("custom", data_path=path, reward_fn_spec=reward_fn, **opts)
+            task = get_task("custom", data_path=path, reward_fn_spec=reward_fn, reward_style=reward_style, **opts)
         else:
             task = get_task(name, format_weight=format_weight, **opts)
             if reward_fn:
-                load_function(reward_fn)  # fail now, not in a worker
-                task = replace(task, reward_spec=reward_fn, reward_kwargs={}, term_weights={})
+                detect_reward_style(load_function(reward_fn), reward_style)  # fail now, not in a worker
+                task = replace(task, reward_spec=reward_fn, reward_kwargs={}, term_weights={}, reward_style=reward_style)
         for spec in (extract_fn, equal_fn):
             if spec:
                 load_function(spec)

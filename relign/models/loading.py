@@ -5,6 +5,8 @@ Flat arguments only: recipes read their config and pass plain values here.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -62,23 +64,154 @@ def resolve_model_path(path: str) -> str:
     return str(out)
 
 
-def _check_source(path: str, what: str) -> None:
+# Files that make a folder loadable: a model (config.json), a LoRA adapter, or (for a
+# tokenizer given on its own) the tokenizer's files.
+MODEL_FILES = ("config.json", "adapter_config.json")
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+HUB_TIMEOUT_S = 5.0  # the one probe of the hub before a download; $RELIGN_HUB_TIMEOUT changes it
+
+
+def _offline_env() -> str | None:
+    """The environment variable that puts the hub libraries offline, if one is set."""
+    import os
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            return var
+    return None
+
+
+@functools.lru_cache(maxsize=4)
+def _probe(endpoint: str, timeout: float) -> str | None:
+    """One HEAD request to the hub (proxies from the environment apply). None when it answers,
+    else why not. Any HTTP status counts as an answer: the hub is there."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return None
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "reason", None) or e
+        return f"cannot reach the hub at {endpoint} ({reason}; one try, {timeout:g} s timeout)"
+    return None
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face hub cannot be used right now, or None if it can.
+
+    Why a probe: with no network, transformers spends 40-55 s in retries before it gives up
+    with a traceback. Offline mode (HF_HUB_OFFLINE=1) is trusted as is; otherwise one HEAD
+    request to $HF_ENDPOINT with a short timeout (HUB_TIMEOUT_S, or $RELIGN_HUB_TIMEOUT
+    seconds) decides, once per process."""
+    import os
+
+    var = _offline_env()
+    if var:
+        return f"{var} is set (offline mode)"
+    from huggingface_hub import constants
+
+    try:
+        timeout = float(os.environ.get("RELIGN_HUB_TIMEOUT", HUB_TIMEOUT_S))
+    except ValueError:
+        timeout = HUB_TIMEOUT_S
+    return _probe(constants.ENDPOINT, timeout)
+
+
+def _in_hub_cache(repo_id: str, files: tuple[str, ...]) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return any(isinstance(try_to_load_from_cache(repo_id, f), str) for f in files)
+    except Exception:  # an id the cache layout rejects is simply not cached
+        return False
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    """``org/name`` or a bare legacy id (``gpt2``); never a path with ./ ~ or a second slash."""
+    if path.startswith((".", "/", "~")) or path.count("/") > 1:
+        return False
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(path)
+    except Exception:  # HFValidationError: characters or shape a repo id cannot have
+        return False
+    return True
+
+
+def check_model_source(path: str, key: str = "model.path", *, files: tuple[str, ...] = MODEL_FILES) -> bool:
+    """Fail at once, in one line naming ``key``, on a model source that cannot load.
+
+    ``path`` is a local folder or a hub id. Returns True when a hub id must load from the local
+    hub cache only (the hub is unreachable but the files are cached), else False. Raises
+    ConfigError for an empty value, a folder without ``files``, a missing local path, or a hub
+    id that is neither cached nor reachable (saying why: offline mode or no answer in time).
+    """
     from ..config import ConfigError
 
     if not path:
-        raise ConfigError(f"missing value for '{what}': give a local model folder or a hub id")
-    p = Path(path)
-    looks_local = path.startswith((".", "/", "~")) or p.exists()
-    if looks_local and not (p / "config.json").is_file() and not (p / "adapter_config.json").is_file():
-        raise ConfigError(f"{what}={path}: not a model folder (no config.json)")
+        raise ConfigError(f"missing value for '{key}': give a local model folder or a hub id")
+    p = Path(path).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise ConfigError(f"{key}={path}: is a file; give the model's folder")
+        if not any((p / f).is_file() for f in files):
+            raise ConfigError(f"{key}={path}: not a model folder (no {' or '.join(files)})")
+        return False
+    if not _looks_like_hub_id(path):
+        raise ConfigError(f"{key}={path}: no such folder")
+    why = hub_unreachable()
+    if why is None:
+        return False
+    if _in_hub_cache(path, files):
+        return True
+    raise ConfigError(f"{key}={path}: no such local folder, and it cannot come from the hub: {why}; "
+                      f"give a local folder, or download it first where the hub is reachable")
 
 
-def load_tokenizer(path: str, *, trust_remote_code: bool = False):
+def _check_source(path: str, what: str) -> None:
+    check_model_source(path, what)
+
+
+@contextlib.contextmanager
+def hub_offline():
+    """The hub libraries in offline mode for the duration: for loading cached files while the hub
+    is unreachable. ``local_files_only=True`` alone does not reach every lookup (transformers 5
+    still asks the hub for ``adapter_config.json``) and each such request retries for ~40 s;
+    in offline mode huggingface_hub refuses any request at once."""
+    from huggingface_hub import constants
+
+    saved = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = saved
+
+
+def from_pretrained_checked(loader, path: str, key: str, *, local_only: bool = False, **kwargs):
+    """``loader.from_pretrained`` with a hub or file problem turned into one line naming ``key``;
+    ``local_only``: from the local hub cache, with the hub libraries offline."""
+    from ..config import ConfigError
+
+    try:
+        with hub_offline() if local_only else contextlib.nullcontext():
+            return loader.from_pretrained(path, **kwargs, **({"local_files_only": True} if local_only else {}))
+    except OSError as e:  # transformers reports hub, network and missing-file problems as OSError
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ConfigError(f"{key}={path}: {first}") from None
+
+
+def load_tokenizer(path: str, *, trust_remote_code: bool = False, key: str = "model.path"):
+    """The tokenizer at ``path``; ``key`` is the config key errors name (``model.tokenizer``
+    when the recipe's tokenizer is set on its own)."""
     from transformers import AutoTokenizer
 
     path = resolve_model_path(path)
-    _check_source(path, "model.tokenizer")
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    local_only = check_model_source(path, key, files=MODEL_FILES + TOKENIZER_FILES)
+    tok = from_pretrained_checked(AutoTokenizer, path, key, local_only=local_only, trust_remote_code=trust_remote_code)
     if tok.pad_token_id is None:
         # Padding positions are always masked, so any id works; eos is the usual choice.
         tok.pad_token = tok.eos_token
@@ -128,6 +261,14 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def load_model_tokenizer(m: Any):
+    """The tokenizer of a recipe's ``model`` config: ``model.tokenizer`` when it is set, else
+    ``model.path``; an error names the key the user actually set."""
+    if m.tokenizer:
+        return load_tokenizer(m.tokenizer, trust_remote_code=m.trust_remote_code, key="model.tokenizer")
+    return load_tokenizer(m.path, trust_remote_code=m.trust_remote_code, key="model.path")
+
+
 def load_causal_lm(
     path: str,
     *,
@@ -136,17 +277,22 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     gradient_checkpointing: bool = False,
     device: str | torch.device = "cpu",
+    key: str = "model.path",
 ):
-    """A Hugging Face causal LM in train mode on ``device``, with its dropout off (``disable_dropout``)."""
+    """A Hugging Face causal LM in train mode on ``device``, with its dropout off (``disable_dropout``).
+    ``key`` is the config key (or argument) that errors name."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(path)
-    _check_source(path, "model.path")
-    model = AutoModelForCausalLM.from_pretrained(
+    local_only = check_model_source(path, key)
+    model = from_pretrained_checked(
+        AutoModelForCausalLM,
         path,
+        key,
         dtype=resolve_dtype(dtype),
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
+        local_only=local_only,
     )
     model.to(device)
     # before any LoRA wrapping, so the adapter's own lora.dropout stays what the user asked

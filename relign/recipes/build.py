@@ -8,6 +8,7 @@ the unpacking of ``ModelConfig`` field by field.
 from __future__ import annotations
 
 import copy
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,18 +37,18 @@ def load_policy(m: ModelConfig, device) -> torch.nn.Module:
     return model
 
 
-def load_frozen(path: str, m: ModelConfig, device) -> torch.nn.Module:
+def load_frozen(path: str, m: ModelConfig, device, key: str = "model.path") -> torch.nn.Module:
     """A frozen copy of a causal LM (the reference policy): eval mode, no gradients."""
     model = load_causal_lm(path, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                           trust_remote_code=m.trust_remote_code, device=device)
+                           trust_remote_code=m.trust_remote_code, device=device, key=key)
     return model.eval().requires_grad_(False)
 
 
-def load_critic(path: str, m: ModelConfig, device) -> ValueModel:
+def load_critic(path: str, m: ModelConfig, device, key: str = "model.path") -> ValueModel:
     """A value model V(s_t): the causal LM at ``path`` with a zero-initialized scalar head."""
     return ValueModel(load_causal_lm(path, dtype=m.dtype, attn_implementation=m.attn_implementation,
                                      trust_remote_code=m.trust_remote_code,
-                                     gradient_checkpointing=m.gradient_checkpointing, device=device))
+                                     gradient_checkpointing=m.gradient_checkpointing, device=device, key=key))
 
 
 def tracker_for(lg: LoggingConfig, run_dir, *, total_steps: int, start_step: int, desc: str, bar_keys: tuple[str, ...]) -> Tracker:
@@ -79,7 +80,7 @@ def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows:
 def task_for(t: TaskConfig):
     """The task of an RL run (a built-in task, a custom one, or a procedural multi-turn one)."""
     return build_task(t.name, path=t.path, reward_fn=t.reward_fn, chat=t.chat, system_prompt=t.system_prompt,
-                      format_weight=t.format_weight, single_turn=False)
+                      format_weight=t.format_weight, single_turn=False, reward_style=t.reward_style)
 
 
 def collector_for(task, t: TaskConfig, ro: RolloutConfig, rw: LearnedRewardConfig, tokenizer, engine, *,
@@ -117,7 +118,11 @@ def collector_for(task, t: TaskConfig, ro: RolloutConfig, rw: LearnedRewardConfi
         max_turns=ro.max_turns, max_response_tokens=ro.max_response_tokens, max_prompt_length=t.max_prompt_length,
         seed=seed, scorer=scorer, scorer_weight=rw.weight, rule_weight=rw.rule_weight,
     )
+    source = t.path or getattr(task, "default_path", "") or t.name
     if not len(collector):
         collector.close()
-        raise ConfigError(f"task '{t.name}': no prompt fits task.max_prompt_length={t.max_prompt_length}")
+        raise ConfigError(f"task '{t.name}' ({source}): no prompt of {len(records):,} fits task.max_prompt_length={t.max_prompt_length}")
+    if distributed.is_main():
+        print(f"data: {source}: {len(records):,} rows read, {len(records) - len(collector):,} skipped "
+              f"(longer than task.max_prompt_length={t.max_prompt_length})", file=sys.stderr, flush=True)
     return collector

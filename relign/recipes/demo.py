@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, LoggingConfig, load_config, make_run_dir, save_resolved_config
+from .. import banner
+from ..config import ConfigError, LoggingConfig, check_model_path, check_non_negative, check_wandb, load_config
 from . import RunResult
 
 ARITH = "arith"
@@ -128,6 +129,9 @@ def _check(cfg: Config) -> None:
         raise ConfigError("demo.group_size must be >= 2 (GRPO compares samples of a problem); prompts_per_step, sft_batch_size >= 1")
     if d.dtype not in ("fp32", "bf16"):
         raise ConfigError(f"bad value for 'demo.dtype': {d.dtype!r}; choose one of fp32, bf16")
+    check_non_negative(cfg, "demo.test_problems", "demo.max_new_tokens", "demo.sft_lr", "demo.lr")
+    check_model_path("demo.model", d.model, required=False)
+    check_wandb(cfg.logging)
     if d.task == ARITH:
         if not 1 <= d.min_ops <= d.max_ops or d.max_operand < 1 or not 0.0 <= d.direct_frac <= 1.0:
             raise ConfigError("demo: need 1 <= min_ops <= max_ops, max_operand >= 1 and 0 <= direct_frac <= 1")
@@ -253,6 +257,7 @@ def train(cfg: Config) -> RunResult:
     from .. import distributed
     from ..checkpoint import atomic_write_text, list_checkpoints
     from ..models.loading import resolve_device, resolve_model_path
+    from ..rundir import open_run
     from . import rl, sft
 
     _check(cfg)
@@ -266,13 +271,10 @@ def train(cfg: Config) -> RunResult:
         # machine); a fixed count also keeps results reproducible across machines.
         torch.set_num_threads(d.threads)
     device = resolve_device(cfg.device)
-    for stage in ("sft", "rl"):
-        # the stages would pick up the old run's checkpoints (SFT keeps an existing final step)
-        if cfg.run_dir and list_checkpoints(Path(cfg.run_dir) / stage):
-            raise ConfigError(f"run_dir={cfg.run_dir} already holds a demo run ({stage}/checkpoints): choose a new run_dir or delete it")
-    run_dir = make_run_dir(cfg.run_dir, "demo")
+    # a run_dir that holds an earlier demo gives a fresh one beside it (relign.rundir), so the
+    # stages (sft/, rl/) always start in empty directories and never pick up old checkpoints
+    run_dir = open_run(cfg, "demo")
     cfg.run_dir = str(run_dir)
-    save_resolved_config(cfg, run_dir)
     tiny = not d.model
     sft_lr = d.sft_lr or (2e-3 if tiny else 1e-5)
     rl_lr = d.lr or (1e-4 if tiny else 1e-6)
@@ -304,6 +306,18 @@ def train(cfg: Config) -> RunResult:
         "eval.every": d.eval_every, "eval.path": data["test"], "eval.max_rows": d.test_problems, "eval.n": d.eval_samples,
         "eval.temperature": 1.0, "seed": d.seed, "device": cfg.device, "run_dir": str(run_dir / "rl"), **logging,
     }, d.rl_overrides, "rl")
+    for stage, check, stage_cfg in (("sft", sft._check, sft_cfg), ("rl", rl._check, rl_cfg)):
+        if stage == "sft" and not run_sft:
+            continue
+        try:  # a bad setting of a stage stops the demo now, not after the stages before it ran
+            check(stage_cfg)
+        except ConfigError as e:
+            raise ConfigError(f"the demo's {stage} stage (demo.* settings and demo.{stage}_overrides): {e}") from None
+    banner.start("demo", cfg, run_dir=run_dir, device=device, model_path=model_spec, dtype=d.dtype,
+                 data=(f"arith: {d.train_problems:,} training problems, {d.test_problems:,} held-out" if d.task == ARITH
+                       else f"{d.task}: training prompts from {data['train']}, held-out problems from {data['test']}"),
+                 steps=(f"SFT {sft_cfg.max_steps:,} x {sft_cfg.batch_size} demonstrations, " if run_sft else "")
+                 + f"GRPO {rl_cfg.max_steps:,} x {rl_cfg.prompts_per_step} problems x {rl_cfg.rollout.n} samples")
 
     # ---- 1. model: a tiny one is built once into $RELIGN_CACHE, offline (relign.models.tiny)
     t0 = time.perf_counter()
@@ -326,7 +340,8 @@ def train(cfg: Config) -> RunResult:
     if run_sft:
         _say(f"[3/6] SFT warm start: {sft_cfg.max_steps} steps of {sft_cfg.batch_size} demonstrations, lr {sft_cfg.optim.lr:g}")
         t0 = time.perf_counter()
-        result = sft.train(sft_cfg)
+        with banner.nested():  # the demo's banner and summary describe the whole pipeline
+            result = sft.train(sft_cfg)
         seconds["sft"] = time.perf_counter() - t0
         if result.checkpoint is None:
             raise ConfigError("the SFT stage saved no checkpoint (checkpoint.save_final=false in demo.sft_overrides?)")
@@ -348,7 +363,8 @@ def train(cfg: Config) -> RunResult:
     _say(f"[5/6] GRPO ({a.advantage} advantages, scale_rewards={a.scale_rewards}, {a.loss_agg}): {rl_cfg.max_steps} steps "
          f"x {rl_cfg.prompts_per_step} problems x {rl_cfg.rollout.n} samples, lr {rl_cfg.optim.lr:g}")
     t0 = time.perf_counter()
-    rl.train(rl_cfg)
+    with banner.nested():
+        rl.train(rl_cfg)
     seconds["rl"] = time.perf_counter() - t0
     ckpts = list_checkpoints(run_dir / "rl")
     if not ckpts:
@@ -381,6 +397,9 @@ def train(cfg: Config) -> RunResult:
     if refresh_report is not None and (path := refresh_report(run_dir)) is not None:
         print(f"report: {path}")
     metrics = {f"before/{k}": v for k, v in before.items()} | {f"after/{k}": v for k, v in after.items()}
+    banner.end("demo", run_dir=run_dir, seconds=time.perf_counter() - t_start, metrics=metrics, resumable=False,
+               checkpoint=final_model, keys=("before/accuracy", "after/accuracy", "before/greedy_accuracy",
+                                             "after/greedy_accuracy"))
     return RunResult(run_dir=run_dir, steps=rl_cfg.max_steps, metrics=metrics, checkpoint=Path(final_model))
 
 

@@ -23,18 +23,29 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import banner
 from ..checkpoint import atomic_write_text, seed_everything
-from ..config import ConfigError, LoggingConfig, ModelConfig, make_run_dir, save_resolved_config
+from ..config import (
+    ConfigError,
+    LoggingConfig,
+    ModelConfig,
+    check_fraction,
+    check_model_path,
+    check_non_negative,
+    check_positive,
+    check_wandb,
+)
 from ..envs.base import Task
 from ..envs.rewards import RewardPool
 from ..envs.tasks import build_task, encode_problems
-from ..report_search import sweep_chart_svg, sweep_series
+from ..report.sweep import sweep_chart_svg, sweep_series
 from ..strategies.base import Budget
 from ..strategies.evaluation import search_eval, sweep_markdown
 from ..strategies.registry import NEEDS_SCORER, STRATEGIES, TREE, make_strategy
 from ..strategies.scorers import SCORERS, TaskRuleScorer, check_reference, load_scorer, looks_like_hub_id
 from ..evaluate import evaluate, format_summary, write_samples
-from ..models.loading import load_tokenizer, resolve_device
+from ..models.loading import load_model_tokenizer, resolve_device
+from ..rundir import open_run
 from ..tracking import Tracker
 from . import RunResult, build
 
@@ -59,6 +70,9 @@ class TaskConfig:
     """Weight of the task's format reward in reward_mean (accuracy counts correctness only)."""
     reward_fn: str = ""
     """Custom reward function 'path/to/file.py:function' (replaces the task's own)."""
+    reward_style: str = "auto"
+    """How reward_fn is called: auto (from its signature), sample (fn(prompt, response, extra_info))
+    or batch (TRL's fn(prompts, completions, **columns) -> list of floats)."""
     reward_timeout: float = 10.0
     """Seconds per reward call; a call that raises or runs longer scores 0 and is counted."""
     reward_workers: int = 2
@@ -184,9 +198,18 @@ class Config:
 
 
 def _check(cfg: Config) -> list[int]:
-    """Validate the sampling settings; returns the ks to report."""
-    if cfg.n < 1 or cfg.batch_prompts < 1 or cfg.max_batch_rows < 1 or cfg.max_new_tokens < 1:
-        raise ConfigError("n, batch_prompts, max_batch_rows and max_new_tokens must be >= 1")
+    """Validate the settings before anything is loaded; returns the ks to report."""
+    check_positive(cfg, "n", "batch_prompts", "max_batch_rows", "max_new_tokens", "top_p", "search.top_p",
+                   "task.reward_timeout", "search.step_max_tokens", "search.max_depth", "search.round_size", "search.width", "search.beams",
+                   "search.rollouts", "search.top_k", "search.batch_problems", "search.scorer_batch_size")
+    check_non_negative(cfg, "k", "top_k", "task.max_rows", "task.max_prompt_length", "task.reward_workers",
+                       "search.prefix_cache_mb", "search.c_puct", "search.c_uct")
+    check_fraction(cfg, "top_p", "search.top_p", closed=True)
+    bad_budgets = [b for b in cfg.sweep.budgets if b < 1]
+    if bad_budgets:
+        raise ConfigError(f"bad value for 'sweep.budgets': {list(cfg.sweep.budgets)}; every budget must be >= 1 token")
+    check_wandb(cfg.logging)
+    check_model_path("model.path", cfg.model.path)
     if cfg.temperature < 0:
         raise ConfigError(f"temperature must be >= 0, got {cfg.temperature}")
     if cfg.temperature == 0 and cfg.n > 1:
@@ -204,23 +227,33 @@ def _check(cfg: Config) -> list[int]:
 
 def train(cfg: Config) -> RunResult:
     """``relign eval``: evaluate ``model.path`` on ``task``; writes eval.json, samples.jsonl and metrics.jsonl."""
+    t_start = time.perf_counter()
     ks = _check(cfg)
     t, m = cfg.task, cfg.model
     task = build_task(t.name, path=t.path, reward_fn=t.reward_fn, chat=t.chat, system_prompt=t.system_prompt,
-                      format_weight=t.format_weight, extract_fn=t.extract_fn, equal_fn=t.equal_fn)
+                      format_weight=t.format_weight, extract_fn=t.extract_fn, equal_fn=t.equal_fn,
+                      reward_style=t.reward_style)
     if cfg.strategy == "sample" and cfg.sweep.budgets and not cfg.sweep.strategies:
         raise ConfigError("sweep.budgets are token budgets of a search: set strategy= (or sweep.strategies) to a search "
                           "strategy; strategy=sample is the plain n-sample eval")
     cells = _check_search(cfg, task) if cfg.strategy != "sample" or cfg.sweep.strategies else []
     device = resolve_device(cfg.device)
     seed_everything(cfg.seed)
-    run_dir = make_run_dir(cfg.run_dir, "eval")
-    save_resolved_config(cfg, run_dir)
+    run_dir = open_run(cfg, "eval")  # a fresh directory, never an earlier eval's (relign.rundir)
     records = task.load(t.path or None, t.split or None, max_rows=t.max_rows)
-    tok = load_tokenizer(m.tokenizer or m.path, trust_remote_code=m.trust_remote_code)
+    tok = load_model_tokenizer(m)
+    what = (f"{len(cells)} search(es): " + ", ".join(f"{n} (budget {b.max_generated_tokens or '-'})" for n, b in cells)
+            if cells else f"{cfg.n} sample(s) per problem at temperature {cfg.temperature:g}")
+    run_facts = dict(run_dir=run_dir, device=device, steps=what, kind="frozen",
+                     data=f"{len(records):,} problems ({task.name}: {t.path or task.default_path})")
+    banner.dry_run("eval", cfg, **run_facts)  # --dry-run stops here, before any weights are read
     model = build.load_frozen(m.path, m, device)
+    banner.start("eval", cfg, model=model, **run_facts)
     if cells:
-        return _search(cfg, cells, task, model, tok, records, run_dir, device)
+        result = _search(cfg, cells, task, model, tok, records, run_dir, device)
+        banner.end("eval", run_dir=run_dir, seconds=time.perf_counter() - t_start, metrics=result.metrics,
+                   keys=("accuracy", "ci_low", "ci_high", "tokens_per_question"), resumable=False)
+        return result
 
     t0 = time.perf_counter()
     summary, rows, notes = _sample_eval(cfg, ks, task, model, tok, records)
@@ -236,6 +269,9 @@ def train(cfg: Config) -> RunResult:
     print(f"{task.name}: {format_summary(summary)}  ({summary['num_problems']:.0f} problems x {cfg.n} samples, {seconds:.1f}s)")
     for note in notes:
         print(f"note: {note}")
+    k = cfg.k or cfg.n
+    banner.end("eval", run_dir=run_dir, seconds=time.perf_counter() - t_start, metrics=summary, resumable=False,
+               keys=("accuracy", f"pass@{k}", f"maj@{k}", "length_mean", "truncated_frac"))
     return RunResult(run_dir=run_dir, steps=0, metrics=summary)
 
 

@@ -9,6 +9,7 @@ import torch
 
 from ..config import PreferenceDataConfig
 from ..data.preference import PairExample, UnpairedExample, build_pair_examples, build_unpaired_examples
+from ..data.stats import announce
 from ..models.logprobs import shared_prefix_token_logps, token_logps
 
 
@@ -23,11 +24,13 @@ def load_examples(d: PreferenceDataConfig, tok, *, unpaired: bool = False, seed:
     else:
         build = build_pair_examples
         common.update(prefix_key=d.prefix_key, step_eos=step_eos)
-    train, stats = build(d.path, tok, split=d.split, **common)
+    train, stats = build(d.path, tok, split=d.split, key="data.path", **common)
+    announce(stats)
     metrics = stats.as_metrics()
     held_out: list = []
     if d.eval_path:
-        held_out, estats = build(d.eval_path, tok, split=d.eval_split or d.split, **common)
+        held_out, estats = build(d.eval_path, tok, split=d.eval_split or d.split, key="data.eval_path", **common)
+        announce(estats)
         metrics.update(estats.as_metrics("data/eval_"))
     elif d.eval_fraction > 0:
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()

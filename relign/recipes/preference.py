@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .. import distributed
+from .. import banner, distributed
 from ..algorithms import preference as P
 from ..checkpoint import (
     gather_train_state,
@@ -52,13 +52,18 @@ from ..config import (
     OptimConfig,
     PreferenceDataConfig,
     check_choice,
-    make_run_dir,
-    save_resolved_config,
+    check_common,
+    check_divides,
+    check_model_path,
+    check_non_negative,
+    check_positive,
+    check_rows,
 )
 from ..data.collate import StepSampler, chunks, shard
 from ..data.preference import TRUNCATION, UnpairedExample
-from ..models.loading import apply_lora, load_causal_lm, load_tokenizer, resolve_device, trainable_parameters
+from ..models.loading import apply_lora, load_causal_lm, load_model_tokenizer, resolve_device, trainable_parameters
 from ..optim import build_training, clip_gradients
+from ..rundir import open_run
 from ..tracking import Tracker, read_metrics
 from . import RunResult
 from .pairs import collate_pairs, collate_unpaired, load_examples, sequence_logps
@@ -122,6 +127,12 @@ class Config:
 
 
 def _check(cfg: Config) -> None:
+    """Every setting that cannot work, before any data or model is read."""
+    check_positive(cfg, "batch_size", "micro_batch_size", "eval_batch_size", "epochs", "beta", "kto_desirable_weight",
+                   "kto_undesirable_weight")
+    check_non_negative(cfg, "max_steps", "eval_every", "dpop_lambda", "simpo_gamma", "orpo_lambda")
+    check_divides(cfg, "batch_size", "micro_batch_size", distributed.world_size())
+    check_common(cfg)
     check_choice("loss", cfg.loss, LOSSES)
     check_choice("reference", cfg.reference, ("precompute", "online"))
     check_choice("data.truncation", cfg.data.truncation, TRUNCATION)
@@ -129,11 +140,8 @@ def _check(cfg: Config) -> None:
         raise ConfigError("missing value for 'data.path': give a preference file, a dataset folder or a hub id")
     if not 0.0 <= cfg.label_smoothing < 0.5:
         raise ConfigError(f"label_smoothing={cfg.label_smoothing} must lie in [0, 0.5)")
-    if cfg.beta <= 0:
-        raise ConfigError(f"beta={cfg.beta} must be > 0")
-    ws = distributed.world_size()
-    if cfg.batch_size % (cfg.micro_batch_size * ws):
-        raise ConfigError(f"batch_size={cfg.batch_size} must be a multiple of micro_batch_size x ranks = {cfg.micro_batch_size} x {ws}")
+    check_model_path("model.path", cfg.model.path)
+    check_model_path("ref_model", cfg.ref_model, required=False)
 
 
 # --------------------------------------------------------------------------- the loss
@@ -202,7 +210,8 @@ def kl_examples(examples: list[UnpairedExample], max_length: int) -> list[Unpair
 
 
 @torch.no_grad()
-def score_examples(model, examples: list, *, paired: bool, batch_size: int, pad_id: int, device, share_prompt: bool) -> torch.Tensor:
+def score_examples(model, examples: list, *, paired: bool, batch_size: int, pad_id: int, device, share_prompt: bool,
+                   progress: bool = False, desc: str = "reference log-probs") -> torch.Tensor:
     """Summed log-probs of every example ([N, 2] chosen/rejected for pairs, [N] otherwise),
     this rank computing its strided share and the ranks summing the results."""
     rank, world = distributed.rank(), distributed.world_size()
@@ -210,14 +219,17 @@ def score_examples(model, examples: list, *, paired: bool, batch_size: int, pad_
     out = torch.zeros((n, 2) if paired else (n,), device=device)
     was_training = model.training
     model.eval()
-    mine = list(range(rank, n, world))
-    for idx in chunks(mine, batch_size):
-        if paired:
-            s, _ = sequence_logps(model, collate_pairs([examples[i] for i in idx], pad_id, device), share_prompt=share_prompt)
-            out[idx] = s.view(-1, 2)
-        else:
-            s, _ = sequence_logps(model, collate_unpaired([examples[i] for i in idx], pad_id, device), share_prompt=False)
-            out[idx] = s
+    parts = list(chunks(list(range(rank, n, world)), batch_size))
+    # a pass over the whole data set before the first step: minutes on a real model, so it shows
+    with banner.progress(len(parts), desc, enabled=progress) as bar:
+        for idx in parts:
+            if paired:
+                s, _ = sequence_logps(model, collate_pairs([examples[i] for i in idx], pad_id, device), share_prompt=share_prompt)
+                out[idx] = s.view(-1, 2)
+            else:
+                s, _ = sequence_logps(model, collate_unpaired([examples[i] for i in idx], pad_id, device), share_prompt=False)
+                out[idx] = s
+            bar.update()
     model.train(was_training)
     return distributed.all_reduce_sum(out)
 
@@ -255,20 +267,19 @@ def save_reference_cache(path: Path, tensors: dict[str, torch.Tensor], fingerpri
 
 
 def train(cfg: Config) -> RunResult:
+    t_start = time.perf_counter()
     distributed.init()
     _check(cfg)
     device = resolve_device(cfg.device)
     rank, world = distributed.rank(), distributed.world_size()
     seed_everything(cfg.seed)
-    run_dir = make_run_dir(cfg.run_dir, "dpo")
-    if distributed.is_main():
-        save_resolved_config(cfg, run_dir)
+    run_dir = open_run(cfg, "dpo")  # a fresh directory unless resuming the same run (relign.rundir)
     kto = cfg.loss == "kto"
     needs_ref = cfg.loss not in REFERENCE_FREE
 
     # ---- data and model
     m = cfg.model
-    tok = load_tokenizer(m.tokenizer or m.path, trust_remote_code=m.trust_remote_code)
+    tok = load_model_tokenizer(m)
     train_set, eval_set, data_metrics = load_examples(cfg.data, tok, unpaired=kto, seed=cfg.seed, step_eos=cfg.step_eos)
     if not train_set:
         raise ConfigError(f"data.path={cfg.data.path}: no usable rows ({data_metrics['data/rows']:.0f} read, "
@@ -280,10 +291,24 @@ def train(cfg: Config) -> RunResult:
     sets: dict[str, list] = {"train": train_set, "eval": eval_set}
     if kto:
         sets.update(train_kl=kl_examples(train_set, cfg.data.max_length), eval_kl=kl_examples(eval_set, cfg.data.max_length) if eval_set else [])
+    check_rows(len(train_set), cfg.batch_size, what=f"data.path={cfg.data.path}")
+    steps_per_epoch = len(train_set) // cfg.batch_size  # StepSampler drops an epoch's short tail
+    total_steps = cfg.max_steps or max(1, int(math.ceil(cfg.epochs * steps_per_epoch)))
+    unit = "examples" if kto else "pairs"
+    run_facts = dict(  # for the start banner and --dry-run
+        run_dir=run_dir, device=device,
+        data=banner.data_line(int(data_metrics["data/rows"] + data_metrics.get("data/eval_rows", 0)), len(train_set),
+                              len(eval_set), made="examples" if kto else ""),
+        steps=banner.steps_line(total_steps, max_steps=cfg.max_steps, epochs=cfg.epochs, steps_per_epoch=steps_per_epoch,
+                                batch=f"{cfg.batch_size} {unit}"),
+    )
+    banner.dry_run("dpo", cfg, **run_facts)  # --dry-run stops here, before any weights are read
     load = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code, device=device)
+    ref_key = "ref_model" if cfg.ref_model else "model.path"  # the key a load error names
     policy = load_causal_lm(m.path, gradient_checkpointing=m.gradient_checkpointing, **load)
     if m.lora.enabled:
         policy = apply_lora(policy, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout, target_modules=m.lora.target_modules)
+    banner.start("dpo", cfg, model=policy, **run_facts)
     pad_id = tok.pad_token_id
     share = cfg.share_prompt and not kto
 
@@ -301,25 +326,25 @@ def train(cfg: Config) -> RunResult:
             # (cache lost) the policy has moved, so the reference is loaded from its path
             scorer = policy
             if cfg.ref_model or ckpt is not None:
-                scorer = load_causal_lm(cfg.ref_model or m.path, **load)
+                scorer = load_causal_lm(cfg.ref_model or m.path, key=ref_key, **load)
             for name, exs in sets.items():
                 if exs:
                     ref_cache[name] = score_examples(scorer, exs, paired=not kto, batch_size=cfg.eval_batch_size,
-                                                     pad_id=pad_id, device=device, share_prompt=share)
+                                                     pad_id=pad_id, device=device, share_prompt=share,
+                                                     progress=cfg.logging.progress, desc=f"{cfg.loss} reference ({name})")
             del scorer
             if distributed.is_main():
                 save_reference_cache(run_dir / REF_FILE, ref_cache, fp)
     elif needs_ref and not m.lora.enabled:
-        ref_model = load_causal_lm(cfg.ref_model or m.path, **load).eval().requires_grad_(False)
+        ref_model = load_causal_lm(cfg.ref_model or m.path, key=ref_key, **load).eval().requires_grad_(False)
     elif needs_ref and cfg.ref_model:
-        ref_model = load_causal_lm(cfg.ref_model, **load).eval().requires_grad_(False)
+        ref_model = load_causal_lm(cfg.ref_model, key=ref_key, **load).eval().requires_grad_(False)
 
     if ckpt is not None:
         load_model_weights(policy, ckpt)
     policy = distributed.wrap_fsdp(policy)
 
     sampler = StepSampler(len(train_set), cfg.batch_size, seed=cfg.seed)
-    total_steps = cfg.max_steps or max(1, int(math.ceil(cfg.epochs * sampler.steps_per_epoch)))
     o = cfg.optim
     optimizer, scheduler = build_training(policy, o, total_steps)
     start_step = resume_training(ckpt, policy, optimizer, scheduler, sampler)
@@ -408,10 +433,13 @@ def train(cfg: Config) -> RunResult:
         mine = shard(list(range(len(eval_set))), rank, world)
         z0 = kto_z0("eval", mine) if kto else None
         sums: dict[str, torch.Tensor] = {}
-        for part in chunks(mine, cfg.eval_batch_size):
-            losses, met, _ = losses_of("eval", part, z0)
-            for k, v in {"loss_sum": losses.sum(), **met}.items():
-                sums[k] = sums.get(k, torch.zeros((), device=device)) + v.detach()
+        parts = list(chunks(mine, cfg.eval_batch_size))
+        with banner.progress(len(parts), f"{cfg.loss} eval", enabled=cfg.logging.progress, leave=False, delay=3.0) as bar:
+            for part in parts:
+                losses, met, _ = losses_of("eval", part, z0)
+                for k, v in {"loss_sum": losses.sum(), **met}.items():
+                    sums[k] = sums.get(k, torch.zeros((), device=device)) + v.detach()
+                bar.update()
         policy.train()
         distributed.reshard(policy)
         return finish(sums, float(len(mine)), "eval/")
@@ -467,4 +495,7 @@ def train(cfg: Config) -> RunResult:
     tracker.close()
     history = read_metrics(run_dir) if distributed.is_main() else []
     distributed.barrier()
+    watch = ("train/loss", "train/kl", "eval/loss") if kto else \
+        ("train/loss", "train/rewards/accuracy", "train/rewards/margins", "eval/loss", "eval/rewards/accuracy")
+    banner.end("dpo", run_dir=run_dir, seconds=time.perf_counter() - t_start, metrics=metrics, keys=watch, checkpoint=last)
     return RunResult(run_dir=run_dir, steps=total_steps, metrics=metrics, checkpoint=last, history=history)

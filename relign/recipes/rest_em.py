@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Sequence
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .. import distributed
+from .. import banner, distributed
 from ..checkpoint import atomic_write_text, list_checkpoints, load_model_weights, seed_everything
 from ..config import (
     CheckpointConfig,
@@ -47,20 +48,25 @@ from ..config import (
     ModelConfig,
     OptimConfig,
     check_choice,
-    make_run_dir,
-    save_resolved_config,
+    check_common,
+    check_fraction,
+    check_model_path,
+    check_non_negative,
+    check_positive,
 )
 from ..envs.rewards import RewardPool
 from ..envs.tasks import encode_problems
 from ..evaluate import evaluate
-from ..models.loading import load_tokenizer, resolve_device
+from ..models.loading import load_model_tokenizer, resolve_device
 from ..rollout.collect import RolloutCollector
 from ..rollout.engine import SamplingParams, derive_seed
+from ..rundir import open_run
 from ..tracking import read_metrics
 from . import RunResult, build, sft
 from .rl import TaskConfig
 
 SELECT_RULES = ("first_non_improving", "best", "last")
+_NOT_TEXT = re.compile("[\x00\ud800-\udfff]")  # what relign.data.readers rejects in a row
 STATE_FILE = "rest_state.json"
 
 
@@ -149,8 +155,9 @@ def filter_samples(groups: Sequence[Any], threshold: float, max_per_prompt: int)
     ``groups``: one per prompt, with ``prompt_text``, ``episodes`` (``text``, ``reward``,
     ``score``, ``finish_reason``) and optionally ``draw`` (the prompt's index; default its
     position). A completion passes when ``reward >= threshold`` and it finished
-    (``finish_reason == "stop"``: a truncated one counts as failed, as in the spec) and is not
-    blank (an empty or whitespace-only response has nothing to imitate, and SFT refuses it).
+    (``finish_reason == "stop"``: a truncated one counts as failed, as in the spec) and is
+    trainable text: not blank (nothing to imitate) and free of NUL characters and lone
+    surrogates (a small model samples them now and then; the SFT reader refuses such a row).
     Per prompt the first ``max_per_prompt`` passing ones in sample order are kept, so no
     prompt dominates the fine-tuning set.
 
@@ -168,7 +175,7 @@ def filter_samples(groups: Sequence[Any], threshold: float, max_per_prompt: int)
             stats["sampled"] += 1
             finished = e.finish_reason == "stop"
             stats["truncated"] += not finished
-            if not (e.reward >= threshold and finished and e.text.strip()):
+            if not (e.reward >= threshold and finished and e.text.strip() and not _NOT_TEXT.search(e.text)):
                 continue
             stats["correct"] += 1
             if kept_here < max_per_prompt:
@@ -234,6 +241,11 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"val.temperature={v.temperature} is greedy: set val.temperature > 0 or val.n=1")
     if v.size < 0 or cfg.prompts_per_iteration < 0:
         raise ConfigError("val.size and prompts_per_iteration must be >= 0")
+    check_positive(cfg, "max_length", "rollout.max_new_tokens", "rollout.max_batch_rows", "rollout.top_p", "val.batch_prompts",
+                   "task.max_prompt_length", "task.reward_timeout")
+    check_non_negative(cfg, "rollout.top_k", "val.max_new_tokens", "task.max_rows", "task.reward_workers")
+    check_fraction(cfg, "rollout.top_p", closed=True)
+    check_common(cfg)
     if not v.path and v.size < 1:
         raise ConfigError("val.size=0 holds out no training prompts: set val.size > 0, or val.path to validation problems")
     if not cfg.from_base and cfg.model.lora.enabled:
@@ -243,6 +255,7 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"task.env={cfg.task.env}: relign rest fine-tunes on single-turn (prompt, response) pairs")
     if distributed.world_size() > 1:
         raise ConfigError("relign rest runs on one process (its SFT stage can run under torchrun on its own: relign sft)")
+    check_model_path("model.path", cfg.model.path)
 
 
 def _records(cfg: Config, task, tok) -> tuple[list[dict], list[dict], str]:
@@ -319,18 +332,24 @@ def _fault(k: int) -> None:
 
 
 def train(cfg: Config) -> RunResult:
+    t_start = time.perf_counter()
     distributed.init()
     _check(cfg)
     device = resolve_device(cfg.device)
     seed_everything(iteration_seed(cfg.seed, 0))
-    run_dir = make_run_dir(cfg.run_dir, "rest")
-    save_resolved_config(cfg, run_dir)
+    run_dir = open_run(cfg, "rest")  # a fresh directory unless resuming the same run (relign.rundir)
     t, ro, m = cfg.task, cfg.rollout, cfg.model
     task = build.task_for(t)
     if task.env:
         raise ConfigError(f"task.name={t.name} runs in a multi-turn environment; relign rest fine-tunes on single-turn pairs")
-    tok = load_tokenizer(m.tokenizer or m.path, trust_remote_code=m.trust_remote_code)
+    tok = load_model_tokenizer(m)
     train_records, val_records, val_source = _records(cfg, task, tok)
+    per_iteration = min(cfg.prompts_per_iteration or len(train_records), len(train_records))
+    # the parameters are counted from the model's config: each stage loads its own weights
+    banner.start("rest", cfg, run_dir=run_dir, device=device,
+                 data=f"{len(train_records):,} training prompts, {len(val_records):,} validation ({val_source})",
+                 steps=f"{cfg.iterations} iterations x {per_iteration:,} prompts x {ro.n} samples, then "
+                       f"{cfg.epochs} SFT epoch(s) on the kept ones")
     start, current, log = _resume(cfg, run_dir)
     pool = RewardPool.from_task(task, num_workers=t.reward_workers, timeout=t.reward_timeout)
     tracker = build.tracker_for(cfg.logging, run_dir, total_steps=cfg.iterations, start_step=start, desc="rest",
@@ -390,7 +409,8 @@ def train(cfg: Config) -> RunResult:
             # ---- 3. fine-tune (from the base model by default) with a checkpoint per epoch
             init = m.path if cfg.from_base or not current else str(run_dir / current)
             sft_cfg = _sft_config(cfg, init, it, len(rows), seed)
-            result = sft.train(sft_cfg)
+            with banner.nested():  # the ReST-EM run's banner and summary describe it, not each fine-tune's
+                result = sft.train(sft_cfg, desc=f"rest sft {k}")
             ckpts = [p for _, p in list_checkpoints(it / "sft")]
             t2 = time.perf_counter()
 
@@ -426,6 +446,9 @@ def train(cfg: Config) -> RunResult:
         pool.close()
         tracker.close()
     done = [h["iteration"] for h in log.get("iterations", [])]
+    banner.end("rest", run_dir=run_dir, seconds=time.perf_counter() - t_start, metrics=metrics, status=status,
+               keys=("rest/val_accuracy", "rest/kept", "rest/correct_frac", "rest/chosen_epoch"),
+               checkpoint=run_dir / current if current else None)
     return RunResult(run_dir=run_dir, steps=max(done, default=0), history=read_metrics(run_dir),
                      metrics={**metrics, "status": status, "checkpoint": str(run_dir / current) if current else m.path},
                      checkpoint=run_dir / current if current else None)

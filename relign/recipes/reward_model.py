@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import distributed
+from .. import banner, distributed
 from ..algorithms.preference import bradley_terry_loss
 from ..checkpoint import (
     gather_train_state,
@@ -41,14 +41,19 @@ from ..config import (
     OptimConfig,
     PreferenceDataConfig,
     check_choice,
-    make_run_dir,
-    save_resolved_config,
+    check_common,
+    check_divides,
+    check_model_path,
+    check_non_negative,
+    check_positive,
+    check_rows,
 )
 from ..data.collate import StepSampler, chunks, shard
 from ..data.preference import TRUNCATION
-from ..models.loading import apply_lora, load_tokenizer, resolve_device, trainable_parameters
+from ..models.loading import apply_lora, load_model_tokenizer, resolve_device, trainable_parameters
 from ..models.reward import load_reward_model, sequence_rewards
 from ..optim import build_training, clip_gradients
+from ..rundir import open_run
 from ..tracking import Tracker, read_metrics
 from . import RunResult
 from .pairs import collate_pairs, load_examples
@@ -88,12 +93,15 @@ class Config:
 
 
 def _check(cfg: Config) -> None:
+    """Every setting that cannot work, before any data or model is read."""
+    check_positive(cfg, "batch_size", "micro_batch_size", "eval_batch_size", "epochs")
+    check_non_negative(cfg, "max_steps", "eval_every", "center_coef")
+    check_divides(cfg, "batch_size", "micro_batch_size", distributed.world_size())
+    check_common(cfg)
     check_choice("data.truncation", cfg.data.truncation, TRUNCATION)
     if not cfg.data.path:
         raise ConfigError("missing value for 'data.path': give a preference file, a dataset folder or a hub id")
-    ws = distributed.world_size()
-    if cfg.batch_size % (cfg.micro_batch_size * ws):
-        raise ConfigError(f"batch_size={cfg.batch_size} must be a multiple of micro_batch_size x ranks = {cfg.micro_batch_size} x {ws}")
+    check_model_path("model.path", cfg.model.path)
 
 
 def pair_rewards(model, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,22 +111,32 @@ def pair_rewards(model, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torc
 
 
 def train(cfg: Config) -> RunResult:
+    t_start = time.perf_counter()
     distributed.init()
     _check(cfg)
     device = resolve_device(cfg.device)
     rank, world = distributed.rank(), distributed.world_size()
     seed_everything(cfg.seed)
-    run_dir = make_run_dir(cfg.run_dir, "rm")
-    if distributed.is_main():
-        save_resolved_config(cfg, run_dir)
+    run_dir = open_run(cfg, "rm")  # a fresh directory unless resuming the same run (relign.rundir)
 
     m = cfg.model
-    tok = load_tokenizer(m.tokenizer or m.path, trust_remote_code=m.trust_remote_code)
+    tok = load_model_tokenizer(m)
     train_set, eval_set, data_metrics = load_examples(cfg.data, tok, seed=cfg.seed)
     if not train_set:
         raise ConfigError(f"data.path={cfg.data.path}: no usable rows ({data_metrics['data/rows']:.0f} read, "
                           f"{data_metrics['data/dropped_too_long']:.0f} longer than data.max_length={cfg.data.max_length}, "
                           f"{data_metrics['data/bad_rows']:.0f} bad)")
+    check_rows(len(train_set), cfg.batch_size, what=f"data.path={cfg.data.path}")
+    steps_per_epoch = len(train_set) // cfg.batch_size  # StepSampler drops an epoch's short tail
+    total_steps = cfg.max_steps or max(1, int(math.ceil(cfg.epochs * steps_per_epoch)))
+    run_facts = dict(  # for the start banner and --dry-run
+        run_dir=run_dir, device=device, kind="seq_cls",
+        data=banner.data_line(int(data_metrics["data/rows"] + data_metrics.get("data/eval_rows", 0)), len(train_set),
+                              len(eval_set)),
+        steps=banner.steps_line(total_steps, max_steps=cfg.max_steps, epochs=cfg.epochs, steps_per_epoch=steps_per_epoch,
+                                batch=f"{cfg.batch_size} pairs"),
+    )
+    banner.dry_run("rm", cfg, **run_facts)  # --dry-run stops here, before any weights are read
     model = load_reward_model(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code,
                               gradient_checkpointing=m.gradient_checkpointing, pad_token_id=tok.pad_token_id, device=device)
     if m.lora.enabled:  # the new score head trains in full next to the adapter
@@ -127,10 +145,10 @@ def train(cfg: Config) -> RunResult:
     ckpt = resolve_resume(cfg.resume, run_dir)
     if ckpt is not None:
         load_model_weights(model, ckpt)
+    banner.start("rm", cfg, model=model, **run_facts)  # parameters counted before FSDP shards them
     model = distributed.wrap_fsdp(model)
 
     sampler = StepSampler(len(train_set), cfg.batch_size, seed=cfg.seed)
-    total_steps = cfg.max_steps or max(1, int(math.ceil(cfg.epochs * sampler.steps_per_epoch)))
     o = cfg.optim
     optimizer, scheduler = build_training(model, o, total_steps)
     start_step = resume_training(ckpt, model, optimizer, scheduler, sampler)
@@ -163,8 +181,11 @@ def train(cfg: Config) -> RunResult:
         model.eval()
         mine = shard(list(range(len(eval_set))), rank, world)
         sums: dict[str, torch.Tensor] = {}
-        for part in chunks(mine, cfg.eval_batch_size):
-            add(sums, *pair_losses(part, eval_set))
+        parts = list(chunks(mine, cfg.eval_batch_size))
+        with banner.progress(len(parts), "rm eval", enabled=cfg.logging.progress, leave=False, delay=3.0) as bar:
+            for part in parts:
+                add(sums, *pair_losses(part, eval_set))
+                bar.update()
         model.train()
         distributed.reshard(model)  # a forward with no backward (see distributed.reshard)
         return averaged(sums, float(len(mine)), "eval/")
@@ -207,4 +228,6 @@ def train(cfg: Config) -> RunResult:
     tracker.close()
     history = read_metrics(run_dir) if distributed.is_main() else []
     distributed.barrier()
+    banner.end("rm", run_dir=run_dir, seconds=time.perf_counter() - t_start, metrics=metrics,
+               keys=("train/loss", "train/accuracy", "eval/loss", "eval/accuracy"), checkpoint=last)
     return RunResult(run_dir=run_dir, steps=total_steps, metrics=metrics, checkpoint=last, history=history)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import distributed
+from .. import banner, distributed
 from ..algorithms import shaping
 from ..algorithms.kl import kl_estimate
 from ..algorithms.policy_losses import truncated_is_weights
@@ -44,14 +44,15 @@ from ..checkpoint import (
     save_final,
     seed_everything,
 )
-from ..config import ConfigError, make_run_dir, save_resolved_config
+from ..config import ConfigError
 from ..data.collate import StepSampler
 from ..evaluate import PeriodicEval, check_eval_during_training
-from ..models.loading import load_tokenizer, resolve_device, trainable_parameters
+from ..models.loading import load_model_tokenizer, resolve_device, trainable_parameters
 from ..optim import build_optimizer, build_training
 from ..rollout.batch import RolloutBatch, build_batch
 from ..rollout.traces import write_traces
 from ..rollout.vine import AdaptiveK, VineEpisode, mc_step_values
+from ..rundir import open_run
 from ..tracking import StageClock, read_metrics
 from . import RunResult, build
 # the recipe's config lives beside it (rl_config.py); rl.Config & co. stay its public names
@@ -106,7 +107,9 @@ def _setup(cfg: Config, device, run_dir) -> tuple[_Run, Callable[[int], None]]:
         raise ConfigError(f"algorithm.advantage=vine splits responses into steps, and task '{task.name}' has no step "
                           "delimiter: set vine.delimiter (e.g. vine.delimiter='\\n')")
     # ---- models: weights (a resumed run's) are loaded before sharding and before the engine's replica
-    tok = load_tokenizer(m.tokenizer or m.path, trust_remote_code=m.trust_remote_code)
+    tok = load_model_tokenizer(m)
+    if banner.dry_run_requested():  # count the prompts and the parameters without reading any weights, and stop
+        _dry_run(cfg, task, tok, device, run_dir)
     policy = build.load_policy(m, device)
     ckpt = resolve_resume(cfg.resume, run_dir)
     ref = None
@@ -114,7 +117,7 @@ def _setup(cfg: Config, device, run_dir) -> tuple[_Run, Callable[[int], None]]:
         ref = distributed.wrap_fsdp(build.load_frozen(m.path, m, device))
     critic = critic_opt = None
     if estimator.values == "critic":
-        critic = build.load_critic(cfg.critic.path or m.path, m, device)
+        critic = build.load_critic(cfg.critic.path or m.path, m, device, key="critic.path" if cfg.critic.path else "model.path")
         if ckpt is not None:
             load_model_weights(critic.lm, ckpt / "critic")
             critic.load_head(ckpt / "critic")
@@ -126,6 +129,7 @@ def _setup(cfg: Config, device, run_dir) -> tuple[_Run, Callable[[int], None]]:
     engine = build.engine_for(ro.engine, policy, tok, max_batch_rows=ro.max_batch_rows, seed=cfg.seed)
     policy = distributed.wrap_fsdp(policy)
     collector = build.collector_for(task, t, ro, cfg.reward, tok, engine, m=m, device=device, seed=cfg.seed)
+    banner.start("rl", cfg, model=policy, **_facts(cfg, collector, run_dir, device))
     sampler = StepSampler(len(collector), cfg.prompts_per_step, seed=cfg.seed)
     # ---- optimizer: the schedule counts every planned update, ppo_epochs x mini_batches per step
     optimizer, scheduler = build_training(policy, cfg.optim, cfg.max_steps * a.ppo_epochs * a.mini_batches)
@@ -169,17 +173,34 @@ def _setup(cfg: Config, device, run_dir) -> tuple[_Run, Callable[[int], None]]:
     return run, save
 
 
+def _facts(cfg: Config, collector, run_dir, device) -> dict:
+    """What the start banner and --dry-run say about the data and the length of the run."""
+    return dict(run_dir=run_dir, device=device,
+                data=banner.data_line(len(collector) + collector.skipped_long, len(collector), unit="prompts"),
+                steps=f"{cfg.max_steps:,} x {cfg.prompts_per_step} prompts x {cfg.rollout.n} samples")
+
+
+def _dry_run(cfg: Config, task, tok, device, run_dir) -> None:
+    """--dry-run: the prompts as the run would read them (no engine: nothing is sampled), then DryRunDone."""
+    collector = build.collector_for(task, cfg.task, cfg.rollout, cfg.reward, tok, None, m=cfg.model, device=device,
+                                    seed=cfg.seed)
+    try:
+        banner.dry_run("rl", cfg, **_facts(cfg, collector, run_dir, device))
+    finally:
+        collector.close()
+
+
 # --------------------------------------------------------------------------- the loop
 
 
 def train(cfg: Config) -> RunResult:
+    t_start = time.perf_counter()
     distributed.init()
     _check(cfg)
     device = resolve_device(cfg.device)
     seed_everything(cfg.seed)
-    run_dir = make_run_dir(cfg.run_dir, "rl")
+    run_dir = open_run(cfg, "rl")  # a fresh directory unless resuming the same run (relign.rundir)
     if distributed.is_main():
-        save_resolved_config(cfg, run_dir)
         (run_dir / "rollouts").mkdir(exist_ok=True)
     run, save = _setup(cfg, device, run_dir)
     a, ro = cfg.algorithm, cfg.rollout
@@ -241,6 +262,8 @@ def train(cfg: Config) -> RunResult:
         run.tracker.close()
     history = read_metrics(run_dir) if distributed.is_main() else []
     distributed.barrier()
+    banner.end("rl", run_dir=run_dir, seconds=time.perf_counter() - t_start, metrics=metrics, status=status,
+               keys=("reward/mean", "reward/score", "eval/accuracy", "response/length_mean", "actor/kl"))
     return RunResult(run_dir=run_dir, steps=cfg.max_steps, metrics={**metrics, "status": status}, history=history)
 
 

@@ -12,7 +12,19 @@ from dataclasses import dataclass, field
 
 from .. import distributed
 from ..algorithms.aggregation import MODES
-from ..config import CheckpointConfig, ConfigError, LoggingConfig, ModelConfig, OptimConfig, check_choice
+from ..config import (
+    CheckpointConfig,
+    ConfigError,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    check_choice,
+    check_common,
+    check_fraction,
+    check_model_path,
+    check_non_negative,
+    check_positive,
+)
 from ..evaluate import EvalDuringTrainingConfig
 from .rl_advantages import ESTIMATORS
 
@@ -65,6 +77,9 @@ class TaskConfig:
     """Weight of the task's format reward added to correctness."""
     reward_fn: str = ""
     """Custom reward function 'path/to/file.py:function' (replaces the task's own)."""
+    reward_style: str = "auto"
+    """How reward_fn is called: auto (from its signature), sample (fn(prompt, response, extra_info))
+    or batch (TRL's fn(prompts, completions, **columns) -> list of floats)."""
     reward_timeout: float = 10.0
     """Seconds per reward call; a call that raises or runs longer scores 0 and is counted."""
     reward_workers: int = 2
@@ -223,8 +238,35 @@ class Config:
     """Stop (after saving the last good checkpoint) when this many updates in a row are non-finite."""
 
 
-def check(cfg: Config) -> None:
+def check_counts(cfg: Config) -> None:
+    """Every count, size and rate: one line naming the key and its value (0 means off or all
+    where the field's doc says so, and only there)."""
+    check_positive(cfg, "max_steps", "prompts_per_step", "nan_patience", "rollout.n", "rollout.max_new_tokens",
+                   "rollout.max_turns", "rollout.max_batch_rows", "rollout.top_p", "task.max_prompt_length",
+                   "task.reward_timeout", "algorithm.ppo_epochs", "algorithm.mini_batches", "algorithm.max_sampling_rounds",
+                   "reward.batch_size", "reward.max_length", "critic.lr")
+    check_non_negative(cfg, "max_seconds", "max_tokens_per_micro", "micro_batch_size", "traces_per_step", "rollout.top_k",
+                       "rollout.max_response_tokens", "rollout.min_new_tokens", "task.max_rows", "task.reward_workers",
+                       "task.format_weight", "algorithm.clip_low", "algorithm.clip_high", "algorithm.kl_coef",
+                       "algorithm.entropy_coef", "algorithm.tis_cap", "algorithm.overlong_cache",
+                       "algorithm.overlong_factor", "critic.value_clip", "eval.every", "eval.max_rows",
+                       "eval.max_new_tokens")
+    check_fraction(cfg, "rollout.top_p", "algorithm.gamma", "algorithm.lam", closed=True)
     a, ro = cfg.algorithm, cfg.rollout
+    if a.dual_clip and a.dual_clip <= 1:
+        raise ConfigError(f"bad value for 'algorithm.dual_clip': {a.dual_clip}; it must be > 1 (or 0 = off)")
+    if ro.min_new_tokens > ro.max_new_tokens:
+        raise ConfigError(f"bad value for 'rollout.min_new_tokens': {ro.min_new_tokens}; it must be <= "
+                          f"rollout.max_new_tokens={ro.max_new_tokens}")
+
+
+def check(cfg: Config) -> None:
+    from .build import ENGINES
+
+    check_counts(cfg)
+    check_common(cfg)
+    a, ro = cfg.algorithm, cfg.rollout
+    check_choice("rollout.engine", ro.engine, ENGINES)
     check_choice("algorithm.advantage", a.advantage, tuple(ESTIMATORS))
     check_choice("algorithm.scale_rewards", a.scale_rewards, ("std", "none"))
     check_choice("algorithm.policy_loss", a.policy_loss, ("ppo_clip", "gspo"))
@@ -249,9 +291,6 @@ def check(cfg: Config) -> None:
     budget = ro.max_response_tokens or ro.max_new_tokens * ro.max_turns
     if a.overlong == "penalty" and not 0 <= a.overlong_cache <= budget:
         raise ConfigError(f"algorithm.overlong_cache={a.overlong_cache} must lie in [0, {budget}] (the episode's token budget)")
-    if min(cfg.prompts_per_step, a.mini_batches, a.ppo_epochs, a.max_sampling_rounds) < 1 or cfg.micro_batch_size < 0:
-        raise ConfigError("prompts_per_step, algorithm.mini_batches, algorithm.ppo_epochs and algorithm.max_sampling_rounds "
-                          "must be >= 1 (micro_batch_size >= 0)")
     if a.mini_batches > cfg.prompts_per_step:
         raise ConfigError(f"algorithm.mini_batches={a.mini_batches} > prompts_per_step={cfg.prompts_per_step}: mini-batches "
                           "are made of whole groups (a group's samples are never split)")
@@ -269,6 +308,9 @@ def check(cfg: Config) -> None:
     if cfg.prompts_per_step % world:
         raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} does not divide across {world} ranks "
                           f"(torchrun --nproc_per_node): each rank samples prompts_per_step / {world} prompts")
+    check_model_path("model.path", cfg.model.path)
+    check_model_path("critic.path", cfg.critic.path, required=False)
+    check_model_path("reward.model", cfg.reward.model, required=False)
 
 
 def check_trpo(cfg: Config) -> None:

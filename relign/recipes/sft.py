@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import distributed
+from .. import banner, distributed
 from ..algorithms.aggregation import MODES, aggregate, aggregate_count
 from ..checkpoint import (
     gather_train_state,
@@ -39,14 +39,20 @@ from ..config import (
     ModelConfig,
     OptimConfig,
     check_choice,
-    make_run_dir,
-    save_resolved_config,
+    check_common,
+    check_divides,
+    check_model_path,
+    check_non_negative,
+    check_positive,
+    check_rows,
 )
 from ..data.collate import StepSampler, chunks, pack_collate, pad_collate, shard, to_device
 from ..data.sft import TRUNCATION, SFTExample, build_sft_examples
-from ..models.loading import apply_lora, load_causal_lm, load_tokenizer, resolve_device, trainable_parameters
+from ..data.stats import announce
+from ..models.loading import apply_lora, load_causal_lm, load_model_tokenizer, resolve_device, trainable_parameters
 from ..models.logprobs import token_logps
 from ..optim import build_training, clip_gradients
+from ..rundir import open_run
 from ..tracking import Tracker, read_metrics
 from . import RunResult
 
@@ -85,10 +91,16 @@ class Config:
 
 
 def _check(cfg: Config) -> None:
+    """Every setting that cannot work, before any data or model is read."""
+    check_positive(cfg, "batch_size", "micro_batch_size", "eval_batch_size", "epochs")
+    check_non_negative(cfg, "max_steps", "eval_every")  # max_steps 0 = epochs x steps per epoch
+    check_divides(cfg, "batch_size", "micro_batch_size", distributed.world_size())
+    check_common(cfg)
     check_choice("loss_agg", cfg.loss_agg, [m for m in MODES if m in ("token-mean", "seq-mean-token-mean")])
     check_choice("data.truncation", cfg.data.truncation, TRUNCATION)
     if not cfg.data.path:
         raise ConfigError("missing value for 'data.path': give a data file, a dataset folder or a hub id")
+    check_model_path("model.path", cfg.model.path)
     if cfg.packing and not cfg.model.attn_implementation.startswith("flash_attention"):
         import warnings
 
@@ -97,11 +109,6 @@ def _check(cfg: Config) -> None:
             "attention then costs (sum of lengths)^2 per micro-batch. On CPU, packing=false (length-sorted "
             "padded micro-batches) is usually faster; packing still saves memory.",
             stacklevel=2,
-        )
-    ws = distributed.world_size()
-    if cfg.batch_size % (cfg.micro_batch_size * ws):
-        raise ConfigError(
-            f"batch_size={cfg.batch_size} must be a multiple of micro_batch_size x ranks = {cfg.micro_batch_size} x {ws}"
         )
 
 
@@ -125,11 +132,13 @@ def _load_data(cfg: Config, tok) -> tuple[list[SFTExample], list[SFTExample], di
         response_key=d.response_key, messages_key=d.messages_key, chat_template=d.chat_template,
         system_prompt=d.system_prompt, max_rows=d.max_rows,
     )
-    train_set, stats = build_sft_examples(d.path, tok, split=d.split, **common)
+    train_set, stats = build_sft_examples(d.path, tok, split=d.split, key="data.path", **common)
+    announce(stats)
     metrics = stats.as_metrics()
     eval_set: list[SFTExample] = []
     if d.eval_path:
-        eval_set, estats = build_sft_examples(d.eval_path, tok, split=d.eval_split or d.split, **common)
+        eval_set, estats = build_sft_examples(d.eval_path, tok, split=d.eval_split or d.split, key="data.eval_path", **common)
+        announce(estats)
         metrics.update(estats.as_metrics("data/eval_"))
     elif d.eval_fraction > 0:
         g = torch.Generator().manual_seed(cfg.seed)
@@ -168,38 +177,53 @@ def accumulate_gradients(
 
 
 @torch.no_grad()
-def evaluate_loss(model, examples: list[SFTExample], *, batch_size: int, pad_id: int, device) -> float:
+def evaluate_loss(model, examples: list[SFTExample], *, batch_size: int, pad_id: int, device, progress: bool = False,
+                  desc: str = "sft") -> float:
     """Token-mean negative log-likelihood over this rank's share of ``examples``, summed over ranks."""
     was_training = model.training
     model.eval()
     mine = shard(examples, distributed.rank(), distributed.world_size())
     nll = torch.zeros((), device=device)
     count = torch.zeros((), device=device)
-    for group in chunks(mine, batch_size):
-        mb = _collate(group, False, pad_id, device)
-        logps = _forward(model, mb)
-        nll += -(logps * mb["loss_mask"]).sum()
-        count += mb["loss_mask"].sum()
+    groups = list(chunks(mine, batch_size))
+    with banner.progress(len(groups), f"{desc} eval", enabled=progress, leave=False, delay=3.0) as bar:
+        for group in groups:
+            mb = _collate(group, False, pad_id, device)
+            logps = _forward(model, mb)
+            nll += -(logps * mb["loss_mask"]).sum()
+            count += mb["loss_mask"].sum()
+            bar.update()
     model.train(was_training)
     distributed.reshard(model)  # a forward with no backward (see distributed.reshard)
     nll, count = distributed.all_reduce_sum(nll), distributed.all_reduce_sum(count)
     return (nll / count.clamp_min(1)).item()
 
 
-def train(cfg: Config) -> RunResult:
+def train(cfg: Config, *, desc: str = "sft") -> RunResult:
+    """``desc`` labels the progress bars (the verifier recipe trains through this loop)."""
+    t_start = time.perf_counter()
     distributed.init()
     _check(cfg)
     device = resolve_device(cfg.device)
     rank, world = distributed.rank(), distributed.world_size()
     seed_everything(cfg.seed)
-    run_dir = make_run_dir(cfg.run_dir, "sft")
-    if distributed.is_main():
-        save_resolved_config(cfg, run_dir)
+    run_dir = open_run(cfg, "sft")  # a fresh directory unless resuming the same run (relign.rundir)
 
     # ---- data and model
     m = cfg.model
-    tok = load_tokenizer(m.tokenizer or m.path, trust_remote_code=m.trust_remote_code)
+    tok = load_model_tokenizer(m)
     train_set, eval_set, data_metrics = _load_data(cfg, tok)
+    check_rows(len(train_set), cfg.batch_size, what=f"data.path={cfg.data.path}")
+    steps_per_epoch = len(train_set) // cfg.batch_size  # StepSampler drops an epoch's short tail
+    total_steps = cfg.max_steps or max(1, int(math.ceil(cfg.epochs * steps_per_epoch)))
+    run_facts = dict(  # for the start banner and --dry-run
+        run_dir=run_dir, device=device,
+        data=banner.data_line(int(data_metrics["data/rows"] + data_metrics.get("data/eval_rows", 0)), len(train_set),
+                              len(eval_set)),
+        steps=banner.steps_line(total_steps, max_steps=cfg.max_steps, epochs=cfg.epochs, steps_per_epoch=steps_per_epoch,
+                                batch=f"{cfg.batch_size} examples"),
+    )
+    banner.dry_run("sft", cfg, **run_facts)  # --dry-run stops here, before any weights are read
     model = load_causal_lm(
         m.path, dtype=m.dtype, attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code,
         gradient_checkpointing=m.gradient_checkpointing, device=device,
@@ -209,10 +233,10 @@ def train(cfg: Config) -> RunResult:
     ckpt = resolve_resume(cfg.resume, run_dir)
     if ckpt is not None:
         load_model_weights(model, ckpt)  # before sharding, so every rank starts from the same full weights
+    banner.start("sft", cfg, model=model, **run_facts)  # parameters counted before FSDP shards them
     model = distributed.wrap_fsdp(model)
 
     sampler = StepSampler(len(train_set), cfg.batch_size, seed=cfg.seed)
-    total_steps = cfg.max_steps or max(1, int(math.ceil(cfg.epochs * sampler.steps_per_epoch)))
     o = cfg.optim
     optimizer, scheduler = build_training(model, o, total_steps)
     start_step = resume_training(ckpt, model, optimizer, scheduler, sampler)
@@ -229,7 +253,7 @@ def train(cfg: Config) -> RunResult:
 
     lg = cfg.logging
     tracker = Tracker(
-        run_dir, total_steps=total_steps, start_step=start_step, desc="sft",
+        run_dir, total_steps=total_steps, start_step=start_step, desc=desc,
         bar_keys=("train/loss", "train/lr", "perf/tokens_per_s", "eval/loss"), progress=lg.progress,
         tensorboard=lg.tensorboard, wandb=lg.wandb, wandb_project=lg.wandb_project, run_name=lg.run_name,
     )
@@ -267,7 +291,8 @@ def train(cfg: Config) -> RunResult:
             "perf/step_seconds": seconds,
         }
         if eval_set and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps):
-            metrics["eval/loss"] = evaluate_loss(model, eval_set, batch_size=cfg.eval_batch_size, pad_id=pad_id, device=device)
+            metrics["eval/loss"] = evaluate_loss(model, eval_set, batch_size=cfg.eval_batch_size, pad_id=pad_id, device=device,
+                                                 progress=lg.progress, desc=desc)
         tracker.log(step, metrics)
         if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
             save(step)
@@ -276,4 +301,6 @@ def train(cfg: Config) -> RunResult:
     tracker.close()
     history = read_metrics(run_dir) if distributed.is_main() else []
     distributed.barrier()
+    banner.end("sft", run_dir=run_dir, seconds=time.perf_counter() - t_start, metrics=metrics,
+               keys=("train/loss", "eval/loss", "train/epoch"), checkpoint=last)
     return RunResult(run_dir=run_dir, steps=total_steps, metrics=metrics, checkpoint=last, history=history)

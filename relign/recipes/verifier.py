@@ -17,7 +17,9 @@ A trained verifier is used as a learned reward by ``relign rl reward.model=RUN/c
 from __future__ import annotations
 
 import json
+import math
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,12 +30,18 @@ from ..config import (
     LoggingConfig,
     ModelConfig,
     OptimConfig,
-    make_run_dir,
-    to_yaml,
+    check_common,
+    check_divides,
+    check_fraction,
+    check_model_path,
+    check_non_negative,
+    check_positive,
 )
 from ..data.readers import DataError, read_records
+from .. import banner
 from ..models.loading import resolve_device
 from ..models.reward import NO, VERIFIER_TEMPLATE, YES, verifier_messages
+from ..rundir import open_run
 from . import RunResult
 
 PROBLEM_KEYS = ("problem", "question", "prompt")  # RL traces: problem; eval samples: question
@@ -173,16 +181,29 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
-def train(cfg: Config) -> RunResult:
-    from . import sft
-
+def _check(cfg: Config) -> None:
+    """Every setting that cannot work, before any data or model is read."""
     d = cfg.data
     if not d.rollouts and not d.path:
         raise ConfigError("give graded samples: data.rollouts=[RUN_DIR or FILE, ...] and/or data.path=FILE")
     if "{problem}" not in d.template or "{solution}" not in d.template:
         raise ConfigError("data.template must contain {problem} and {solution}")
-    run_dir = make_run_dir(cfg.run_dir, "verifier")
-    (run_dir / "verifier.yaml").write_text(to_yaml(cfg))
+    check_positive(cfg, "batch_size", "micro_batch_size", "epochs", "data.max_length")
+    check_non_negative(cfg, "max_steps", "data.max_per_problem")
+    check_fraction(cfg, "data.eval_fraction")
+    check_divides(cfg, "batch_size", "micro_batch_size")
+    check_common(cfg)
+    check_model_path("model.path", cfg.model.path)
+
+
+def train(cfg: Config) -> RunResult:
+    from . import sft
+
+    t_start = time.perf_counter()
+    _check(cfg)
+    d = cfg.data
+    # verifier.yaml: config.yaml is the SFT stage's, written by sft.train into the same directory
+    run_dir = open_run(cfg, "verifier", config_name="verifier.yaml")
 
     # ---- 1. data: graded samples -> Yes/No rows, split by problem (no problem on both sides)
     samples = graded_samples(list(d.rollouts) + ([d.path] if d.path else []))
@@ -199,6 +220,14 @@ def train(cfg: Config) -> RunResult:
     _write_jsonl(run_dir / "verifier_data.jsonl", train_rows)
     if eval_rows:
         _write_jsonl(run_dir / "verifier_eval_data.jsonl", eval_rows)
+    per_epoch = len(train_rows) // cfg.batch_size  # before SFT drops rows over data.max_length
+    total = cfg.max_steps or max(1, int(math.ceil(cfg.epochs * per_epoch)))
+    # the parameters are counted from the model's config (the SFT stage loads the weights)
+    banner.start("verifier", cfg, run_dir=run_dir, device=resolve_device(cfg.device),
+                 data=banner.data_line(len(samples), len(train_rows), len(eval_rows), unit="graded samples",
+                                       made="verifier rows"),
+                 steps=banner.steps_line(total, max_steps=cfg.max_steps, epochs=cfg.epochs, steps_per_epoch=per_epoch,
+                                         batch=f"{cfg.batch_size} rows"))
 
     # ---- 2. train: the SFT recipe on the chat rows (loss on the "Yes"/"No" turn only)
     sft_cfg = sft.Config(
@@ -210,7 +239,8 @@ def train(cfg: Config) -> RunResult:
     sft_cfg.data.max_length = d.max_length
     if eval_rows:
         sft_cfg.data.eval_path = str(run_dir / "verifier_eval_data.jsonl")
-    result = sft.train(sft_cfg)  # writes its own resolved config.yaml next to verifier.yaml
+    with banner.nested():  # this run's banner and summary describe it, not the SFT stage's
+        result = sft.train(sft_cfg, desc="verifier")  # writes its own resolved config.yaml next to verifier.yaml
 
     # ---- 3. measure the verifier on the held-out problems
     metrics = dict(result.metrics)
@@ -223,6 +253,9 @@ def train(cfg: Config) -> RunResult:
         summary = verifier_metrics(p_yes, [r["correct"] for r in eval_rows])
         (run_dir / "verifier_eval.json").write_text(json.dumps(summary, indent=2))
         metrics.update({f"verifier/{k}": v for k, v in summary.items()})
+    banner.end("verifier", run_dir=run_dir, seconds=time.perf_counter() - t_start, metrics=metrics,
+               keys=("train/loss", "eval/loss", "verifier/accuracy", "verifier/p_yes_correct", "verifier/p_yes_incorrect"),
+               checkpoint=result.checkpoint)
     return RunResult(run_dir=run_dir, steps=result.steps, metrics=metrics, checkpoint=result.checkpoint, history=result.history)
 
 

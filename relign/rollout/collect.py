@@ -12,10 +12,17 @@ rank or the batch it lands in), so 1 rank and N ranks sample the same tokens.
 
 With DAPO's dynamic sampling, groups whose rewards are all equal carry no signal: they are
 dropped and more prompts are drawn, up to ``max_rounds`` generation batches per step.
+
+A reward function that fails is never silent: when more than half of a step's rewards raise or
+time out, a warning with the first error's message goes to the log (and to stderr if logging
+would not show it); when every reward of the run's first step fails, the run stops with a
+``ConfigError`` naming ``task.reward_fn`` and that message (a broken function, not bad luck).
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,10 +32,13 @@ import torch
 
 from .. import distributed
 from ..algorithms.shaping import zero_variance_groups
+from ..config import ConfigError
 from ..data.collate import StepSampler
 from ..envs.tasks import problem_text, render_prompt
 from .engine import SamplingParams, derive_seed
 from .multiturn import Episode, episode_from_completion, run_episodes
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,6 +104,8 @@ class RolloutCollector:
             self.records.append((text, ids, rec.get("extra_info", {})))
             self.problems.append(problem_text(rec))
         self._filtered = 0
+        self._collected = 0  # steps collected by this process (the first one may stop the run)
+        self._first_error: str | None = None  # this step's first reward failure message, on this rank
         self._last_stats = dict(self.pool.stats) if self.pool else {}
         self.last: dict[str, float] = {}
         """Statistics of the last ``collect``: rounds, dropped groups, seconds generating / scoring."""
@@ -125,10 +137,13 @@ class RolloutCollector:
                   for t, p, info, cs, q, d in zip(texts, ids, infos, outs, problems, draws)]
         t1 = time.perf_counter()
         flat = [(g, e) for g in groups for e in g.episodes]
-        results = self.pool.score([g.prompt_text for g, _ in flat], [e.text for _, e in flat], [g.extra_info for g, _ in flat])
+        results = self.pool.score([g.prompt_text for g, _ in flat], [e.text for _, e in flat], [g.extra_info for g, _ in flat],
+                                  completion_ids=[e.response_ids for _, e in flat])
         for (_, e), r in zip(flat, results):
             e.reward, e.score, e.components, e.reward_error = r.reward, r.score, dict(r.components), r.error
             e.terms = self._terms(e)
+            if r.error is not None and self._first_error is None:
+                self._first_error = r.message or r.error
         if self.scorer is not None:
             self._add_learned_reward(flat)
         for _, e in flat:  # the outcome sits on the last token (multi-turn: each turn's reward on its turn's)
@@ -167,8 +182,10 @@ class RolloutCollector:
         """
         rank, world = distributed.rank(), distributed.world_size()
         self.last = {}
+        self._first_error = None
         kept: list[Group] = []
         rounds = 0
+        failures: dict[str, int] = {"samples": 0, "exception": 0, "timeout": 0}
         while len(kept) < n_groups and rounds < (max_rounds if dynamic else 1):
             indices = sampler.next()  # the same on every rank
             first = sampler.drawn - len(indices)
@@ -177,6 +194,12 @@ class RolloutCollector:
             groups = [g for part in distributed.all_gather_object(local) for g in part]
             groups.sort(key=lambda g: g.draw)
             rounds += 1
+            # counted before dynamic sampling drops groups: failed rewards are all 0, so all-failed
+            # groups have no variance and would vanish from the step unseen
+            for e in (e for g in groups for e in g.episodes):
+                failures["samples"] += 1
+                if e.reward_error in failures:
+                    failures[e.reward_error] += 1
             if dynamic:
                 r = torch.tensor([e.reward for g in groups for e in g.episodes])
                 drop = zero_variance_groups(r, len(groups[0].episodes)).tolist()
@@ -184,7 +207,30 @@ class RolloutCollector:
                 groups = [g for g, d in zip(groups, drop) if not d]
             kept.extend(groups)
         self.last["rounds"] = float(rounds)
+        if self.env is None and self.pool is not None:
+            self._check_failures(failures["samples"], failures["exception"], failures["timeout"])
+        self._collected += 1
         return kept[:n_groups]
+
+    def _check_failures(self, samples: int, raised: int, timed_out: int) -> None:
+        """Warn when most of a step's rewards failed; stop when all of the first step's did.
+
+        The counts are the whole step's (every rank holds them after the gather), so every rank
+        decides the same; the message is this rank's first failure."""
+        failed = raised + timed_out
+        if not samples or failed * 2 <= samples:
+            return
+        spec = getattr(self.pool, "spec", "?")
+        first = " ".join(str(self._first_error or "(raised on another rank)").split())[:500]
+        counts = f"{failed} of {samples} rewards failed ({raised} raised, {timed_out} timed out)"
+        if failed == samples and self._collected == 0:
+            raise ConfigError(f"task.reward_fn={spec}: every reward of the first step failed: {counts}; "
+                              f"first error: {first}")
+        if distributed.is_main():
+            text = f"reward function {spec}: {counts} this step, scored 0; first error: {first}"
+            log.warning(text)
+            if not log.isEnabledFor(logging.WARNING) or not _reaches_a_handler(log):
+                print(f"WARNING: {text}", file=sys.stderr, flush=True)
 
     def step_metrics(self, groups: list[Group]) -> dict[str, float]:
         """Per-step reward components, reward failures, multi-turn and sampling statistics."""
@@ -207,3 +253,19 @@ class RolloutCollector:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+
+
+def _reaches_a_handler(logger: logging.Logger) -> bool:
+    """Whether a record from ``logger`` reaches a handler that shows warnings (logging's
+    last-resort handler counts: it writes to stderr when nothing is configured)."""
+    current: logging.Logger | None = logger
+    found = False
+    while current is not None:
+        for h in current.handlers:
+            found = True
+            if h.level <= logging.WARNING:
+                return True
+        if not current.propagate:
+            break
+        current = current.parent
+    return not found and logging.lastResort is not None

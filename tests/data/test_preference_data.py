@@ -91,8 +91,11 @@ def test_truncation_keeps_the_prompt_or_drops(tokenizer, tmp_path):
     exs, stats = build_pair_examples(str(path), tokenizer, max_length=32)
     assert len(exs) == 1 and stats.truncated == 1 and stats.dropped_too_long == 1
     assert len(exs[0].chosen_ids) == 32 and tokenizer.eos_token_id in exs[0].rejected_ids[exs[0].prompt_len :]  # rejected kept whole
-    _, stats = build_pair_examples(str(path), tokenizer, max_length=32, truncation="drop")
-    assert stats.kept == 0 and stats.dropped_too_long == 2
+    # nothing left: an error that names the file and says why, never an empty training set
+    with pytest.raises(DataError) as e:
+        build_pair_examples(str(path), tokenizer, max_length=32, truncation="drop")
+    assert str(e.value) == (f"{path}: no usable rows: all 2 rows skipped (2 too long for max_length=32); "
+                            "raise data.max_length or set data.truncation=truncate")
 
 
 def test_kto_reads_unpaired_rows_and_splits_pairs(tokenizer, tmp_path):

@@ -8,6 +8,8 @@ still raise held-out accuracy clearly. It builds its own tiny model into a fresh
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -75,18 +77,22 @@ def test_demo_config_errors_stop_before_training(tmp_path):
     assert "demo.steps" in proc.stdout and "demo.model_size" in proc.stdout
 
 
+def _fast_demo(tiny_model_dir, run) -> subprocess.CompletedProcess:
+    from ..conftest import REPO
+
+    return run_cli("demo", f"demo.model={tiny_model_dir}", "demo.task=gsm8k",
+                   f"demo.train_path={REPO / 'relign/envs/data/gsm8k_train_512.jsonl'}",
+                   f"demo.sft_data={REPO / 'relign/data/samples/gsm8k_sft.jsonl'}", "demo.sft_steps=2", "demo.sft_batch_size=4",
+                   "demo.steps=1", "demo.prompts_per_step=2", "demo.group_size=2", "demo.test_problems=3", "demo.eval_samples=2",
+                   "demo.max_new_tokens=8", "demo.eval_every=0", "logging.tensorboard=false", "logging.progress=false",
+                   f"run_dir={run}")
+
+
 def test_demo_with_a_given_model_and_a_builtin_task(tiny_model_dir, tmp_path):
     """The real-model path (demo.model + demo.task=gsm8k) runs offline on a local model and local
     data: a couple of steps, to check the wiring, not the learning."""
-    from ..conftest import REPO
-
     run = tmp_path / "run"
-    run_cli("demo", f"demo.model={tiny_model_dir}", "demo.task=gsm8k",
-            f"demo.train_path={REPO / 'relign/envs/data/gsm8k_train_512.jsonl'}",
-            f"demo.sft_data={REPO / 'relign/data/samples/gsm8k_sft.jsonl'}", "demo.sft_steps=2", "demo.sft_batch_size=4",
-            "demo.steps=1", "demo.prompts_per_step=2", "demo.group_size=2", "demo.test_problems=3", "demo.eval_samples=2",
-            "demo.max_new_tokens=8", "demo.eval_every=0", "logging.tensorboard=false", "logging.progress=false",
-            f"run_dir={run}")
+    _fast_demo(tiny_model_dir, run)
     result = json.loads((run / "demo.json").read_text())
     assert result["task"] == "gsm8k" and result["model"] == str(tiny_model_dir)
     assert result["eval"]["problems"] == 3 and "worked_frac" not in result["before"]
@@ -94,9 +100,10 @@ def test_demo_with_a_given_model_and_a_builtin_task(tiny_model_dir, tmp_path):
     assert "gsm8k_train_512.jsonl" in rl_cfg and "lr: 1.0e-06" in rl_cfg  # a real model's learning rate
     assert "sft/checkpoints/step_2" in rl_cfg
     assert len((run / "eval_after" / "samples.jsonl").read_text().splitlines()) == 3 * 2
+    # Re-running into the same directory never mixes two runs: the second goes beside the first.
+    before = (run / "demo.json").read_text()
+    proc = _fast_demo(tiny_model_dir, run)
+    assert f"run_dir={run} holds an earlier run: this run writes to {run}-2" in proc.stderr
+    assert (Path(f"{run}-2") / "demo.json").is_file() and (run / "demo.json").read_text() == before
 
 
-def test_demo_refuses_a_used_run_directory(demo_run):
-    run, _ = demo_run
-    proc = run_cli("demo", f"run_dir={run}", check=False)
-    assert proc.returncode == 2 and "already holds a demo run" in proc.stderr

@@ -23,9 +23,10 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from relign.report import write_report
+from relign.report import PALETTE, write_compare, write_report
 
 from ..test_report import make_rl_run
+from ..test_report_compare import two_runs
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 
@@ -202,7 +203,12 @@ def _save_screenshot(cdp: DevTools, path: Path) -> Path:
 def _open_offline(cdp, run) -> str:
     """Load the run's report; assert nothing but the file itself was requested and its script
     ran without an error. Returns the page's URL."""
-    url = write_report(run).resolve().as_uri()
+    return _open_page(cdp, write_report(run))
+
+
+def _open_page(cdp, path: Path) -> str:
+    """``_open_offline`` for a page already written (a comparison of runs)."""
+    url = path.resolve().as_uri()
     for domain in ("Page", "Runtime", "Network"):
         cdp.call(f"{domain}.enable")
     cdp.call("Page.navigate", url=url)
@@ -308,5 +314,29 @@ def test_search_report_in_headless_chromium(browser, tmp_path):
 
     cdp.js("document.getElementById('search').scrollIntoView()")
     shot = _save_screenshot(cdp, tmp_path / "report_search.png")
+    assert shot.stat().st_size > 10_000
+    assert not [e for e in cdp.events if e.get("method") == "Runtime.exceptionThrown"]
+
+
+def test_comparison_in_headless_chromium(browser, tmp_path):
+    a, b = two_runs(tmp_path)  # a/exp and b/exp: tokens/s 100, 110, 120 against a flat 200
+    cdp = browser
+    _open_page(cdp, write_compare([a, b], tmp_path / "compare.html"))
+
+    assert cdp.js("[...document.querySelectorAll('#run-legend li')].map(li => li.dataset.run)") == ["a/exp", "b/exp"]
+    assert str(a) in cdp.js("document.getElementById('run-legend').textContent")
+    # the loss chart overlays both runs: a's train/loss and eval/loss in a's colour, b's train/loss in b's
+    strokes = cdp.js("[...document.querySelectorAll('#chart-loss path.line')].map(p => p.getAttribute('stroke'))")
+    assert strokes == [PALETTE[0], PALETTE[0], PALETTE[1]]
+    assert cdp.js("document.querySelector('#chart-loss svg').getBoundingClientRect().width") > 200  # drawn, not collapsed
+    # hovering the middle of the throughput chart (steps 1..3) reads both runs at step 2
+    cdp.hover("#chart-tokens-per-s svg")
+    assert cdp.js("document.querySelector('#chart-tokens-per-s .readout').textContent") == "step 2: a/exp 110 · b/exp 200"
+    assert cdp.js("document.querySelector('#constant-metrics').textContent").count("train/lr") == 1
+    assert cdp.js("[...document.querySelectorAll('#compare-summary tr[data-row=\"wall time\"] td')].map(td => td.textContent)") \
+        == ["20.0s", "30.0s"]
+
+    cdp.js("document.getElementById('metrics').scrollIntoView()")
+    shot = _save_screenshot(cdp, tmp_path / "report_compare.png")
     assert shot.stat().st_size > 10_000
     assert not [e for e in cdp.events if e.get("method") == "Runtime.exceptionThrown"]

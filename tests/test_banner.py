@@ -1,0 +1,124 @@
+"""The start banner, the end summary and the resume command: pure text from hand-built inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from relign import banner
+
+
+@pytest.mark.parametrize("n, text", [
+    (5, "5"), (999, "999"), (1234, "1.23K"), (999_400, "999K"), (999_999, "1.00M"), (1_300_000, "1.30M"),
+    (20_200_000, "20.2M"), (494_032_768, "494M"), (7_615_616_512, "7.62B"),
+])
+def test_human_count(n, text):
+    assert banner.human_count(n) == text
+
+
+def test_params_duration_data_and_steps_lines():
+    assert banner.format_params(1_300_000, 1_300_000) == "1.30M (all trainable)"
+    # LoRA: 20,185,088 / 7,615,616,512 = 0.265% -> two significant digits
+    assert banner.format_params(7_615_616_512, 20_185_088) == "7.62B, 20.2M trainable (0.27%)"
+    assert banner.format_duration(42.14) == "42.1 s"
+    assert banner.format_duration(185) == "3 min 05 s"
+    assert banner.format_duration(3725) == "1 h 02 min"
+    assert banner.data_line(64, 54, 8) == "64 rows read, 62 used (54 train, 8 eval)"  # 2 rows dropped
+    assert banner.data_line(64, 64, unit="prompts") == "64 prompts read, 64 used"
+    assert banner.data_line(32, 56, 8, made="examples") == "32 rows read -> 64 examples (56 train, 8 eval)"
+    # 100 rows / batch 16 = 6 steps per epoch (the tail is dropped); 2.5 epochs -> ceil(15) = 15
+    assert banner.steps_line(15, epochs=2.5, steps_per_epoch=6, batch="16 examples") == \
+        "15 (2.5 epochs x 6 steps per epoch) x 16 examples"
+    assert banner.steps_line(60, max_steps=60) == "60 (max_steps)"
+
+
+def test_format_start_is_one_aligned_line_per_fact():
+    text = banner.format_start("sft", model="tiny:tiny", params="1.30M (all trainable)", dtype="fp32",
+                               device="cpu, 2 CPU threads", data="64 rows read, 64 used", steps="60 (max_steps)",
+                               run_dir="runs/sft-tiny")
+    assert text == (
+        "relign sft\n"
+        "  model      tiny:tiny\n"
+        "  parameters 1.30M (all trainable)\n"
+        "  dtype      fp32\n"
+        "  device     cpu, 2 CPU threads\n"
+        "  data       64 rows read, 64 used\n"
+        "  steps      60 (max_steps)\n"
+        "  run dir    runs/sft-tiny"
+    )
+
+
+def test_format_end_names_metrics_checkpoint_report_and_resume():
+    metrics = banner.format_metrics({"train/loss": 0.41234, "eval/loss": 0.5, "train/lr": 1e-5, "step": 60},
+                                    ("train/loss", "eval/loss", "eval/accuracy"))
+    assert metrics == "train/loss 0.4123  eval/loss 0.5"  # keys not logged are left out
+    text = banner.format_end("sft", seconds=83.2, metrics=metrics, run_dir="runs/a", checkpoint="runs/a/checkpoints/step_60",
+                             report="runs/a/report.html", resume="relign sft x.yaml run_dir=runs/a resume=auto")
+    assert text.splitlines() == [
+        "relign sft: done in 1 min 23 s",
+        "  metrics    train/loss 0.4123  eval/loss 0.5",
+        "  run dir    runs/a",
+        "  checkpoint runs/a/checkpoints/step_60",
+        "  report     runs/a/report.html",
+        "  resume     relign sft x.yaml run_dir=runs/a resume=auto",
+    ]
+    stopped = banner.format_end("rl", seconds=5, metrics="", run_dir="runs/b", status="stopped: non-finite updates")
+    assert stopped.splitlines() == ["relign rl: stopped: non-finite updates in 5.0 s", "  run dir    runs/b"]
+
+
+def test_resume_command_keeps_the_arguments_and_pins_the_run():
+    argv = ["/venv/bin/relign", "sft", "examples/sft_tiny.yaml", "run_dir=runs/old", "max_steps=3", "resume=none",
+            "data.path=my data.jsonl", "--dry-run"]
+    assert banner.resume_command("sft", "runs/old-2", argv) == \
+        "relign sft examples/sft_tiny.yaml max_steps=3 'data.path=my data.jsonl' run_dir=runs/old-2 resume=auto"
+    # not from the command line (a Python caller): the run's own resolved config
+    assert banner.resume_command("rl", "runs/r", ["pytest", "-q"]) == \
+        "relign rl runs/r/config.yaml run_dir=runs/r resume=auto"
+    assert banner.resume_command("rl", "runs/r", ["relign", "rl", "grpo"], world=4) == \
+        "torchrun --nproc_per_node=4 -m relign rl grpo run_dir=runs/r resume=auto"
+
+
+def test_count_parameters_counts_tied_weights_once_and_frozen_ones_as_such():
+    emb = torch.nn.Embedding(10, 4)  # 40
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight  # tied: still 40
+    frozen = torch.nn.Linear(4, 4)  # 16 + 4 = 20, not trainable
+    frozen.requires_grad_(False)
+    model = torch.nn.ModuleList([emb, head, frozen])
+    assert banner.count_parameters(model) == (60, 40)
+
+
+def test_model_size_from_the_config_matches_the_loaded_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    loaded = banner.count_parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+    assert banner.model_size(str(tiny_model_dir)) == loaded  # built on the meta device: no weights read
+
+
+def test_model_size_of_a_folder_without_config_names_the_key(tmp_path):
+    from relign.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^ref_model=.*: cannot read the model's config"):
+        banner.model_size(str(tmp_path), key="ref_model")
+
+
+def test_nested_runs_print_nothing(capsys, tmp_path):
+    with banner.nested():
+        banner.end("sft", run_dir=tmp_path, seconds=1.0, metrics={"train/loss": 1.0}, keys=("train/loss",))
+    assert capsys.readouterr().out == ""
+    banner.end("sft", run_dir=tmp_path, seconds=1.0, metrics={"train/loss": 1.0}, keys=("train/loss",))
+    out = capsys.readouterr().out
+    assert out.startswith("relign sft: done in 1.0 s\n  metrics    train/loss 1\n")
+    assert "resume" not in out  # no checkpoint: nothing to resume
+
+
+def test_dry_run_discards_only_a_directory_this_process_wrote(tmp_path, monkeypatch):
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "config.yaml").write_text("x: 1\n")
+    assert banner._discard_new_run_dir(fresh) and not fresh.exists()
+    old = tmp_path / "old"
+    (old / "checkpoints").mkdir(parents=True)
+    (old / "checkpoints" / "state.json").write_text("{}")
+    monkeypatch.setattr(banner, "_IMPORTED_AT", (old / "checkpoints" / "state.json").stat().st_mtime + 60)
+    assert not banner._discard_new_run_dir(old) and (old / "checkpoints" / "state.json").is_file()
