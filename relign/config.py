@@ -275,6 +275,24 @@ def _valid_keys(cls: type, path: str) -> tuple[str, list[str]]:
     return ".".join(parent), [f.name for f in dataclasses.fields(klass)]
 
 
+def _check_sections(base: DictConfig, loaded: dict, source: str, prefix: str = "") -> None:
+    """A section (``optim:``) given a plain value in a YAML file. OmegaConf's merge reports it as
+    "Merge error: int is not a subclass of OptimConfig" with no key, so it is named here."""
+    for name, value in loaded.items():
+        node = base.get(name) if name in base else None
+        if not isinstance(node, DictConfig) or not dataclasses.is_dataclass(OmegaConf.get_type(node)):
+            continue  # unknown keys and plain values: the merge names those itself
+        key = f"{prefix}{name}"
+        if isinstance(value, dict):
+            _check_sections(node, value, source, f"{key}.")
+        elif value is None:  # "optim:" with nothing under it
+            raise ConfigError(f"bad value for '{key}' in {source}: an empty section (indent 'key: value' lines "
+                              f"under '{name}:', or remove the line)")
+        else:
+            raise ConfigError(f"bad value for '{key}' in {source}: {value!r} where a section of keys goes "
+                              f"(indented 'key: value' lines under '{name}:')")
+
+
 def _explain(cls: type, err: OmegaConfBaseException, source: str) -> ConfigError:
     key = getattr(err, "full_key", None) or ""
     if isinstance(err, ConfigKeyError) or "not in" in str(err):
@@ -292,6 +310,16 @@ def _explain(cls: type, err: OmegaConfBaseException, source: str) -> ConfigError
     return ConfigError(f"{source}: {str(err).splitlines()[0]}")
 
 
+def _yaml_problem(err: Exception) -> str:
+    """A YAML syntax error as one line with where it is: PyYAML's own text is several lines, and
+    its first ("while parsing a block mapping") names neither the line nor what is wrong."""
+    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+    if mark is None or not problem:
+        return str(err).splitlines()[0]
+    context = getattr(err, "context", None)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
+
+
 def load_config(cls: type, path: str | os.PathLike | None = None, overrides: list[str] | tuple = ()):
     """Build a config object of dataclass ``cls`` from a YAML preset plus dotted overrides.
 
@@ -305,9 +333,10 @@ def load_config(cls: type, path: str | os.PathLike | None = None, overrides: lis
         try:
             loaded = OmegaConf.load(p)
         except Exception as e:  # yaml syntax
-            raise ConfigError(f"cannot parse {p}: {str(e).splitlines()[0]}") from None
+            raise ConfigError(f"cannot parse {p}: {_yaml_problem(e)}") from None
         if not isinstance(loaded, DictConfig):
             raise ConfigError(f"{p}: the top level must be a mapping of keys")
+        _check_sections(base, OmegaConf.to_container(loaded), str(p))
         try:
             base = OmegaConf.merge(base, loaded)
         except OmegaConfBaseException as e:
@@ -321,6 +350,10 @@ def load_config(cls: type, path: str | os.PathLike | None = None, overrides: lis
         except OmegaConfBaseException as e:
             if not getattr(e, "full_key", None):
                 e.full_key = key  # type: ignore[attr-defined]
+            if isinstance(e, ValidationError) and not item.partition("=")[2].strip():
+                # "key=" parses as null; OmegaConf's "Incompatible value 'None'" does not say that
+                raise ConfigError(f"bad value for '{key}' in override '{item}': empty (null), and '{key}' needs a "
+                                  "value; give one, or leave the override out for the default") from None
             raise _explain(cls, e, f"override '{item}'") from None
     try:
         obj = OmegaConf.to_object(base)

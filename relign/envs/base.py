@@ -449,6 +449,12 @@ def make_custom_task(
             raise DataError(source, row, prompt_key, "missing")
         prompt = raw[prompt_key]
         if isinstance(prompt, list):
+            # checked here, naming the row: unchecked, a list of strings reached the chat
+            # template and raised AttributeError there, a traceback naming no file or row.
+            # The row's own messages are kept (check_turns' copies hold only role and content).
+            from relign.data.records import check_turns
+
+            check_turns(prompt, source, row, prompt_key)
             fields: dict[str, Any] = {"messages": prompt}
         elif isinstance(prompt, str):
             fields = dict(raw)

@@ -123,6 +123,7 @@ def collector_for(task, t: TaskConfig, ro: RolloutConfig, rw: LearnedRewardConfi
         collector.close()
         raise ConfigError(f"task '{t.name}' ({source}): no prompt of {len(records):,} fits task.max_prompt_length={t.max_prompt_length}")
     if distributed.is_main():
-        print(f"data: {source}: {len(records):,} rows read, {len(records) - len(collector):,} skipped "
-              f"(longer than task.max_prompt_length={t.max_prompt_length})", file=sys.stderr, flush=True)
+        skipped = len(records) - len(collector)  # the reason only where there is a skip: "0 skipped (longer ...)" misreads
+        why = f" (longer than task.max_prompt_length={t.max_prompt_length})" if skipped else ""
+        print(f"data: {source}: {len(records):,} rows read, {skipped:,} skipped{why}", file=sys.stderr, flush=True)
     return collector
