@@ -46,7 +46,7 @@ KNOWN_TRAIN: dict[str, tuple[str, str]] = {
 
 @dataclass
 class DemoConfig:
-    steps: int = 100
+    steps: int = 400
     """GRPO steps; each samples group_size completions for each of prompts_per_step training problems."""
     sft_steps: int = 1000
     """SFT warm-start steps (0 = no warm start: RL starts from the model as it is)."""
@@ -58,8 +58,8 @@ class DemoConfig:
     """arith (synthetic, generated from the seed) or a task relign rl knows: gsm8k, countdown, math, 'module:factory'."""
     seed: int = 0
     """Seed for the problems, the model's initialisation, data order and sampling."""
-    threads: int = 1
-    """CPU threads for torch (0 = torch's default). One: tiny models gain little from more, and it is never stalled by a busy core."""
+    threads: int = 0
+    """CPU threads for torch (0 = torch's default: every core). 1 = one core, for a machine that is busy with other work."""
     dtype: str = "fp32"
     """Parameter dtype of every stage: fp32, or bf16 (a real model on a GPU)."""
     # ---- arith problems
@@ -99,7 +99,7 @@ class DemoConfig:
     """Longest completion in GRPO and eval (0 = 64 for arith, 512 for other tasks)."""
     eval_samples: int = 8
     """Samples per held-out problem at temperature 1; accuracy is their mean correctness (pass@1)."""
-    eval_every: int = 25
+    eval_every: int = 100
     """Also evaluate during GRPO every N steps (logged as eval/* in rl/metrics.jsonl; 0 = off)."""
     sft_overrides: list[str] = field(default_factory=list)
     """More key=value settings for the SFT stage (see relign sft --help), applied last."""

@@ -15,7 +15,7 @@ import pytest
 
 from ..conftest import run_cli
 
-SHORT = ["demo.max_operand=5", "demo.max_ops=4", "demo.train_problems=2000", "demo.test_problems=100",
+SHORT = ["demo.threads=1", "demo.max_operand=5", "demo.max_ops=4", "demo.train_problems=2000", "demo.test_problems=100",
          "demo.sft_steps=500", "demo.steps=30", "demo.eval_samples=4", "demo.eval_every=0", "logging.tensorboard=false"]
 
 
