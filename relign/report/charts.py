@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 import html
 import math
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from .util import PALETTE, _is_num, fmt
 
@@ -185,6 +185,15 @@ def _range(values: Iterable[float]) -> tuple[float, float]:
 # --------------------------------------------------------------------------- SVG
 
 
+def y_grid(left: float, pw: float, y0: float, y1: float, py: Callable[[float], float]) -> list[str]:
+    """The horizontal gridlines and y labels of a chart whose plot area starts at ``left`` and
+    is ``pw`` wide; ``py`` maps a value to its pixel row. Every chart on the page uses it."""
+    ticks = nice_ticks(y0, y1)
+    return [f'<line class="grid" x1="{left}" x2="{left + pw}" y1="{py(t)}" y2="{py(t)}"/>'
+            f'<text class="tick" x="{left - 4}" y="{py(t) + 3}" text-anchor="end">{label}</text>'
+            for t, label in zip(ticks, tick_labels(ticks))]
+
+
 def chart_svg(series: list[Series], band: tuple[list[float], list[float], list[float]] | None = None,
               width: int = 480, height: int = 210, styles: list[Style] | None = None) -> tuple[str, dict[str, Any]]:
     """An SVG line chart of ``series`` (+ an optional shaded band: xs, lows, highs).
@@ -206,11 +215,7 @@ def chart_svg(series: list[Series], band: tuple[list[float], list[float], list[f
     def py(y: float) -> float:
         return round(top + (1 - (y - y0) / (y1 - y0)) * ph, 1)
 
-    parts = [f'<svg viewBox="0 0 {width} {height}" role="img" preserveAspectRatio="xMidYMid meet">']
-    y_ticks = nice_ticks(y0, y1)
-    for t, label in zip(y_ticks, tick_labels(y_ticks)):
-        parts.append(f'<line class="grid" x1="{left}" x2="{left + pw}" y1="{py(t)}" y2="{py(t)}"/>'
-                     f'<text class="tick" x="{left - 4}" y="{py(t) + 3}" text-anchor="end">{label}</text>')
+    parts = [f'<svg viewBox="0 0 {width} {height}" role="img" preserveAspectRatio="xMidYMid meet">', *y_grid(left, pw, y0, y1, py)]
     x_ticks = [t for t in nice_ticks(x0, x1, 6) if float(t).is_integer()] or [x0, x1]
     for t in x_ticks:
         parts.append(f'<text class="tick" x="{px(t)}" y="{top + ph + 16}" text-anchor="middle">{fmt(t)}</text>')

@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any
 
-from .charts import _range, nice_ticks, tick_labels
+from .charts import _range, nice_ticks, tick_labels, y_grid
 from .util import PALETTE, _cut, _is_num, _text, fmt
 
 
@@ -90,11 +90,7 @@ def sweep_chart_svg(series: list[tuple[str, list[dict[str, Any]]]], width: int =
     def py(y: float) -> float:
         return round(top + (1 - (y - y0) / (y1 - y0)) * ph, 1)
 
-    parts = [f'<svg viewBox="0 0 {width} {height}" role="img" preserveAspectRatio="xMidYMid meet">']
-    y_ticks = nice_ticks(y0, y1)
-    for t, label in zip(y_ticks, tick_labels(y_ticks)):
-        parts.append(f'<line class="grid" x1="{left}" x2="{left + pw}" y1="{py(t)}" y2="{py(t)}"/>'
-                     f'<text class="tick" x="{left - 4}" y="{py(t) + 3}" text-anchor="end">{label}</text>')
+    parts = [f'<svg viewBox="0 0 {width} {height}" role="img" preserveAspectRatio="xMidYMid meet">', *y_grid(left, pw, y0, y1, py)]
     for t, label in zip(x_ticks, x_labels):
         parts.append(f'<line class="grid" x1="{px(t)}" x2="{px(t)}" y1="{top}" y2="{top + ph}"/>'
                      f'<text class="tick" x="{px(t)}" y="{top + ph + 14}" text-anchor="middle">{html.escape(label)}</text>')
