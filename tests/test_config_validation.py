@@ -141,7 +141,7 @@ CASES = [  # (recipe, base overrides, bad override(s), the exact message)
     (rl, RL, ["eval.every=-1"], "bad value for 'eval.every': -1; it must be >= 0"),
     (rl, RL, ["critic.lr=0"], "bad value for 'critic.lr': 0.0; it must be > 0"),
     (rl, RL, ["optim.lr=0"], "bad value for 'optim.lr': 0.0; it must be > 0"),
-    (rl, RL, ["rollout.engine=sglang"], "bad value for 'rollout.engine': 'sglang'; choose one of hf"),
+    (rl, RL, ["rollout.engine=sglang"], "bad value for 'rollout.engine': 'sglang'; choose one of hf, vllm"),
     (rl, [], [], "missing value for 'model.path': give a local model folder, a hub id (org/name) or tiny:SIZE"),
     # eval
     (eval_recipe, RL, ["n=0"], "bad value for 'n': 0; it must be >= 1"),

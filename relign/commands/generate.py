@@ -86,39 +86,43 @@ def prompt_ids(tokenizer, prompt: str | list[dict[str, str]], *, chat: bool, sys
     return encode(tokenizer, text, templated=not stops)
 
 
-def _hf_generate(model, tokenizer, prompts: list[list[int]], params, *, seed: int, batch_size: int, progress) -> list:
+def _generate(engine, prompts: list[list[int]], params, *, seed: int, batch_size: int, progress) -> list:
+    """Completions for every prompt, ``batch_size`` prompts per engine call. One stream per
+    prompt, fixed by (seed, position): batching cannot change a sample, on either engine."""
     from ..rollout.engine import derive_seed
-    from ..rollout.hf_engine import HFEngine
 
-    engine = HFEngine(model, tokenizer, max_batch_rows=batch_size * max(1, params.n), seed=seed)
     out = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
-        # one stream per prompt, fixed by (seed, position): batching cannot change a sample
-        seeds = [derive_seed(seed, start + i) for i in range(len(chunk))]
-        out.extend(engine.generate(chunk, params, seeds=seeds))
+        out.extend(engine.generate(chunk, params, seeds=[derive_seed(seed, start + i) for i in range(len(chunk))]))
         progress(len(chunk))
     return out
 
 
-def _vllm_generate(path: str, prompts: list[list[int]], params, *, seed: int, dtype: str, trust_remote_code: bool) -> list:
-    """The same through vLLM (token ids in, token ids out), seeded per prompt likewise."""
-    import vllm
+def _vllm_engine(path: str, tokenizer, prompts: list[list[int]], params, *, seed: int, dtype: str, trust_remote_code: bool,
+                 batch_size: int):
+    """relign's vLLM engine reading the weights itself (no trainer to push them)."""
+    from types import SimpleNamespace
 
-    from ..rollout.engine import Completion, derive_seed
+    import torch
+    from transformers import GenerationConfig
 
-    llm = vllm.LLM(model=path, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], seed=seed,
-                   trust_remote_code=trust_remote_code)
-    per_prompt = [vllm.SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                                      top_k=params.top_k if params.top_k > 0 else -1, max_tokens=params.max_new_tokens,
-                                      stop=list(params.stop) or None, seed=derive_seed(seed, i) % (2**31), logprobs=0)
-                  for i in range(len(prompts))]
-    results = llm.generate([{"prompt_token_ids": ids} for ids in prompts], per_prompt)
-    out = []
-    for r in results:
-        out.append([Completion(token_ids=list(o.token_ids), logps=[], finish_reason="length" if o.finish_reason == "length" else "stop",
-                               text=o.text) for o in r.outputs])
-    return out
+    from ..config import ConfigError
+    from ..rollout.engine import eos_token_ids
+    from ..rollout.vllm_engine import VLLMEngine
+
+    try:
+        gen_config = GenerationConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        gen_config = None
+    try:
+        return VLLMEngine(path, tokenizer, eos_token_ids=eos_token_ids(tokenizer, SimpleNamespace(generation_config=gen_config)),
+                          dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype],
+                          max_model_len=max(len(p) for p in prompts) + params.max_new_tokens,
+                          max_num_seqs=batch_size * max(1, params.n), seed=seed, trust_remote_code=trust_remote_code,
+                          load_format="auto", key="--engine")
+    except ConfigError as e:
+        raise CommandError(str(e).replace("--engine=", "--engine ")) from None
 
 
 def main(argv: list[str]) -> int:
@@ -134,11 +138,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeat for several)")
     p.add_argument("--seed", type=int, default=0, help="base seed; each prompt gets its own stream (default 0)")
     p.add_argument("--batch-size", type=int, default=16, help="prompts per engine call (default 16)")
-    p.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="hf (built in) or vllm (GPU, pip install vllm)")
+    p.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="hf (built in) or vllm (pip install \"relign[vllm]\", see docs/rl.md)")
     p.add_argument("--chat", action="store_true", help="wrap string prompts in the chat template as a user turn")
     p.add_argument("--system", default="", help="system prompt for chat-templated prompts")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (hf engine)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (hf engine; vLLM picks its own)")
     p.add_argument("--trust-remote-code", action="store_true", help="let a hub model run its own code")
     a = p.parse_args(argv)
     for flag, value in (("--n", a.n), ("--batch-size", a.batch_size), ("--max-new-tokens", a.max_new_tokens)):
@@ -147,10 +151,13 @@ def main(argv: list[str]) -> int:
     if a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
         raise CommandError("--temperature must be >= 0, --top-p in (0, 1] and --top-k >= 0")
     if a.engine == "vllm":
-        import importlib.util
+        from ..config import ConfigError
+        from ..rollout.vllm_engine import import_vllm
 
-        if importlib.util.find_spec("vllm") is None:
-            raise CommandError("--engine vllm: vllm is not installed (pip install vllm); or use --engine hf")
+        try:
+            import_vllm("--engine")
+        except ConfigError as e:
+            raise CommandError(str(e).replace("--engine=", "--engine ")) from None
 
     rows = read_prompts(a.prompts)  # bad input fails before the model loads
     out_path = a.out or str(Path(a.prompts).with_name(Path(a.prompts).stem + ".generated.jsonl"))
@@ -169,12 +176,16 @@ def main(argv: list[str]) -> int:
     params = SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             max_new_tokens=a.max_new_tokens, stop=list(a.stop))
     if model is None:
-        results = _vllm_generate(path, prompts, params, seed=a.seed, dtype=a.dtype, trust_remote_code=a.trust_remote_code)
+        engine = _vllm_engine(path, tok, prompts, params, seed=a.seed, dtype=a.dtype, trust_remote_code=a.trust_remote_code,
+                              batch_size=a.batch_size)
     else:
-        from tqdm import tqdm
+        from ..rollout.hf_engine import HFEngine
 
-        with tqdm(total=len(prompts), desc="generate", unit="prompt", file=sys.stderr, disable=None) as bar:
-            results = _hf_generate(model, tok, prompts, params, seed=a.seed, batch_size=a.batch_size, progress=bar.update)
+        engine = HFEngine(model, tok, max_batch_rows=a.batch_size * max(1, params.n), seed=a.seed)
+    from tqdm import tqdm
+
+    with tqdm(total=len(prompts), desc="generate", unit="prompt", file=sys.stderr, disable=None) as bar:
+        results = _generate(engine, prompts, params, seed=a.seed, batch_size=a.batch_size, progress=bar.update)
 
     lines = []
     for (prompt, rest), completions in zip(rows, results):

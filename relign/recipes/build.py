@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import distributed
-from ..config import ConfigError
+from ..config import ConfigError, VllmConfig
 from ..envs.tasks import build_task
-from ..models.loading import apply_lora, load_causal_lm
+from ..models.loading import apply_lora, load_causal_lm, resolve_model_path
 from ..models.value import ValueModel
 from ..tracking import Tracker
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the config classes of the recipes that call these
     from ..config import LoggingConfig, ModelConfig
     from .rl_config import LearnedRewardConfig, RolloutConfig, TaskConfig
 
-ENGINES = ("hf",)
+ENGINES = ("hf", "vllm")
 
 
 def load_policy(m: ModelConfig, device) -> torch.nn.Module:
@@ -57,8 +57,11 @@ def tracker_for(lg: LoggingConfig, run_dir, *, total_steps: int, start_step: int
                    run_name=lg.run_name)
 
 
-def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows: int, seed: int, prefix_cache_bytes: int = 0):
-    """The rollout engine, built before the policy is sharded.
+def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows: int, seed: int, prefix_cache_bytes: int = 0,
+               m: ModelConfig | None = None, vllm: VllmConfig | None = None, max_model_len: int = 0,
+               key: str = "rollout.engine"):
+    """The rollout engine, built before the policy is sharded (and, under torchrun, after the
+    process group exists: vLLM joins it).
 
     hf, one process: the engine samples from the policy module itself (no second copy, and
     ``load_weights`` copies nothing). Under torchrun the policy is about to be sharded and
@@ -66,9 +69,37 @@ def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows:
     without gradients, that ``load_weights`` refreshes after every update.
     ``prefix_cache_bytes`` > 0 keeps the keys/values of earlier prompts for prompts that extend
     them (tree search; cleared whenever the weights change).
+
+    vllm: a colocated vLLM engine (one per rank) for ``m.path``'s architecture, started with
+    dummy weights and given the policy's at once (a resumed or LoRA-merged policy included).
+    ``max_model_len`` is the run's longest prompt + response when ``vllm.max_model_len`` is 0
+    (0 too: the model's max_position_embeddings).
+    ``key`` names the setting in error messages.
     """
     if kind not in ENGINES:
-        raise ConfigError(f"bad value for 'rollout.engine': {kind!r}; choose one of {', '.join(ENGINES)}")
+        raise ConfigError(f"bad value for '{key}': {kind!r}; choose one of {', '.join(ENGINES)}")
+    if kind == "vllm":
+        from ..rollout.engine import eos_token_ids
+        from ..rollout.vllm_engine import VLLMEngine
+        from ..rollout.weights import checkpoint_weights
+
+        vllm = vllm or VllmConfig()
+        limit = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+        length = vllm.max_model_len or max_model_len or limit
+        if not length:
+            raise ConfigError(f"{key}=vllm: the model's config has no max_position_embeddings: set the vllm.max_model_len "
+                              "setting")
+        if limit and length > limit:
+            if vllm.max_model_len:
+                raise ConfigError(f"rollout.vllm.max_model_len={length} is longer than the model's "
+                                  f"max_position_embeddings={limit}")
+            length = limit
+        engine = VLLMEngine(resolve_model_path(m.path), tokenizer, eos_token_ids=eos_token_ids(tokenizer, policy),
+                            max_model_len=length, dtype=next(policy.parameters()).dtype, max_num_seqs=max_batch_rows,
+                            seed=seed, settings=vllm, tokenizer_path=resolve_model_path(m.tokenizer or m.path),
+                            trust_remote_code=m.trust_remote_code, key=key)
+        engine.load_weights(checkpoint_weights(policy))
+        return engine
     from ..rollout.hf_engine import HFEngine
 
     model = policy

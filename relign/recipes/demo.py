@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import banner
-from ..config import ConfigError, LoggingConfig, check_model_path, check_non_negative, check_wandb, load_config
+from ..config import ConfigError, LoggingConfig, check_choice, check_model_path, check_non_negative, check_wandb, load_config
 from . import RunResult
 
 ARITH = "arith"
@@ -62,6 +62,8 @@ class DemoConfig:
     """CPU threads for torch (0 = torch's default: every core). 1 = one core, for a machine that is busy with other work."""
     dtype: str = "fp32"
     """Parameter dtype of every stage: fp32, or bf16 (a real model on a GPU)."""
+    engine: str = "hf"
+    """Inference engine of GRPO's rollouts and of the evals: hf (built in) or vllm (pip install "relign[vllm]")."""
     # ---- arith problems
     train_problems: int = 4000
     """arith: training problems (the SFT demonstrations and the RL prompts)."""
@@ -129,6 +131,9 @@ def _check(cfg: Config) -> None:
         raise ConfigError("demo.group_size must be >= 2 (GRPO compares samples of a problem); prompts_per_step, sft_batch_size >= 1")
     if d.dtype not in ("fp32", "bf16"):
         raise ConfigError(f"bad value for 'demo.dtype': {d.dtype!r}; choose one of fp32, bf16")
+    from .build import ENGINES
+
+    check_choice("demo.engine", d.engine, ENGINES)
     check_non_negative(cfg, "demo.test_problems", "demo.max_new_tokens", "demo.sft_lr", "demo.lr")
     check_model_path("demo.model", d.model, required=False)
     check_wandb(cfg.logging)
@@ -213,17 +218,26 @@ def _evaluate(name: str, model_path: str, data: dict[str, Any], cfg: Config, dev
 
     from ..checkpoint import atomic_write_text
     from ..evaluate import evaluate, write_samples
+    from ..config import ModelConfig
     from ..models.loading import load_causal_lm, load_tokenizer
+    from .build import engine_for
 
     d, out = cfg.demo, Path(cfg.run_dir) / name
     tok = load_tokenizer(model_path)
     model = load_causal_lm(model_path, dtype=d.dtype, device=device).eval().requires_grad_(False)
-    common = dict(max_new_tokens=max_new_tokens, seed=d.seed, reward_workers=data["reward_workers"], progress=cfg.logging.progress)
+    engine = engine_for(d.engine, model, tok, max_batch_rows=256, seed=d.seed, m=ModelConfig(path=model_path, dtype=d.dtype),
+                        max_model_len=1024 + max_new_tokens, key="demo.engine")
+    common = dict(max_new_tokens=max_new_tokens, seed=d.seed, reward_workers=data["reward_workers"], progress=cfg.logging.progress,
+                  engine=engine)
     n = d.eval_samples
-    summary, rows = evaluate(model, tok, data["task"], data["records"], n=n, ks=sorted({1, n}), temperature=1.0,
-                             desc=f"{name} T=1", **common)
-    greedy, greedy_rows = evaluate(model, tok, data["task"], data["records"], n=1, temperature=0.0, desc=f"{name} greedy", **common)
-    del model
+    try:
+        summary, rows = evaluate(model, tok, data["task"], data["records"], n=n, ks=sorted({1, n}), temperature=1.0,
+                                 desc=f"{name} T=1", **common)
+        greedy, greedy_rows = evaluate(model, tok, data["task"], data["records"], n=1, temperature=0.0, desc=f"{name} greedy",
+                                       **common)
+    finally:
+        engine.close()  # one vLLM engine per process: the next stage builds its own
+    del model, engine
     out.mkdir(parents=True, exist_ok=True)
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -299,7 +313,7 @@ def train(cfg: Config) -> RunResult:
     rl_cfg = _stage_config(rl.Config, {
         "model.path": model_spec, "model.dtype": d.dtype, "task.name": data["spec"], "task.path": data["train"],
         "task.split": data["split"], "task.chat": True, "task.reward_workers": data["reward_workers"],
-        "rollout.n": d.group_size, "rollout.max_new_tokens": max_new,
+        "rollout.n": d.group_size, "rollout.max_new_tokens": max_new, "rollout.engine": d.engine,
         # a learning rate for the model's scale; warmup, and a cosine decay that keeps what was learned
         "optim.lr": rl_lr, "optim.warmup_steps": max(1, d.steps // 10), "optim.schedule": "cosine",
         "max_steps": d.steps, "prompts_per_step": d.prompts_per_step, "micro_batch_size": d.group_size * max(1, 64 // d.group_size),
@@ -384,7 +398,7 @@ def train(cfg: Config) -> RunResult:
         "stage_seconds": {k: round(v, 1) for k, v in seconds.items()},
         "eval": {"problems": len(data["records"]), "samples": d.eval_samples, "temperature": 1.0,
                  "accuracy": "mean correctness of all samples at temperature 1 (= pass@1); greedy_accuracy: one greedy answer each"},
-        "model": d.model or f"tiny:{d.model_size}", "task": d.task, "seed": d.seed, "device": str(device),
+        "model": d.model or f"tiny:{d.model_size}", "task": d.task, "seed": d.seed, "device": str(device), "engine": d.engine,
         "threads": torch.get_num_threads(), "before_model": start_model, "after_model": final_model,
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }

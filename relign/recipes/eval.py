@@ -29,6 +29,8 @@ from ..config import (
     ConfigError,
     LoggingConfig,
     ModelConfig,
+    VllmConfig,
+    check_choice,
     check_fraction,
     check_model_path,
     check_non_negative,
@@ -188,6 +190,10 @@ class Config:
     """Problems sampled together (each brings n rows to the engine)."""
     max_batch_rows: int = 256
     """Most sequences the engine decodes at once."""
+    engine: str = "hf"
+    """Inference engine: hf (built in) or vllm (colocated vLLM; pip install "relign[vllm]")."""
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    """Settings of the vLLM engine (engine=vllm)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run_dir: str = ""
     """Where config.yaml, eval.json, samples.jsonl and metrics.jsonl go (empty: runs/eval-<time>)."""
@@ -210,6 +216,11 @@ def _check(cfg: Config) -> list[int]:
         raise ConfigError(f"bad value for 'sweep.budgets': {list(cfg.sweep.budgets)}; every budget must be >= 1 token")
     check_wandb(cfg.logging)
     check_model_path("model.path", cfg.model.path)
+    check_choice("engine", cfg.engine, build.ENGINES)
+    if cfg.engine == "vllm":
+        from .rl_config import check_vllm
+
+        check_vllm(cfg, "", top_p=cfg.top_p, top_k=cfg.top_k)
     if cfg.temperature < 0:
         raise ConfigError(f"temperature must be >= 0, got {cfg.temperature}")
     if cfg.temperature == 0 and cfg.n > 1:
@@ -249,14 +260,29 @@ def train(cfg: Config) -> RunResult:
     banner.dry_run("eval", cfg, **run_facts)  # --dry-run stops here, before any weights are read
     model = build.load_frozen(m.path, m, device)
     banner.start("eval", cfg, model=model, **run_facts)
+    # a search extends prompts step by step, up to max_new_tokens in all (+ one step past a cut);
+    # no prompt limit: as long as the model takes (0)
+    longest = t.max_prompt_length and t.max_prompt_length + cfg.max_new_tokens + (cfg.search.step_max_tokens if cells else 0)
+    engine = build.engine_for(cfg.engine, model, tok, max_batch_rows=cfg.max_batch_rows, seed=cfg.seed,
+                              prefix_cache_bytes=cfg.search.prefix_cache_mb << 20 if cells else 0, m=m, vllm=cfg.vllm,
+                              max_model_len=longest, key="engine")
+    try:
+        return _run(cfg, ks, cells, task, model, tok, engine, records, run_dir, device, t_start)
+    finally:
+        engine.close()
+
+
+def _run(cfg: Config, ks: list[int], cells, task: Task, model, tok, engine, records: list[dict], run_dir: Path, device,
+         t_start: float) -> RunResult:
+    t, m = cfg.task, cfg.model
     if cells:
-        result = _search(cfg, cells, task, model, tok, records, run_dir, device)
+        result = _search(cfg, cells, task, model, tok, engine, records, run_dir, device)
         banner.end("eval", run_dir=run_dir, seconds=time.perf_counter() - t_start, metrics=result.metrics,
                    keys=("accuracy", "ci_low", "ci_high", "tokens_per_question"), resumable=False)
         return result
 
     t0 = time.perf_counter()
-    summary, rows, notes = _sample_eval(cfg, ks, task, model, tok, records)
+    summary, rows, notes = _sample_eval(cfg, ks, task, model, tok, engine, records)
     seconds = time.perf_counter() - t0
 
     result = {
@@ -275,7 +301,8 @@ def train(cfg: Config) -> RunResult:
     return RunResult(run_dir=run_dir, steps=0, metrics=summary)
 
 
-def _sample_eval(cfg: Config, ks: list[int], task: Task, model, tok, records: list[dict]) -> tuple[dict, list[dict], list[str]]:
+def _sample_eval(cfg: Config, ks: list[int], task: Task, model, tok, engine, records: list[dict]
+                 ) -> tuple[dict, list[dict], list[str]]:
     """Sample ``cfg.n`` completions per problem and score them: (summary, sample rows, notes)."""
     t = cfg.task
     try:
@@ -284,7 +311,7 @@ def _sample_eval(cfg: Config, ks: list[int], task: Task, model, tok, records: li
             max_new_tokens=cfg.max_new_tokens, stop=cfg.stop, batch_prompts=cfg.batch_prompts, seed=cfg.seed,
             reward_workers=t.reward_workers, reward_timeout=t.reward_timeout, progress=cfg.logging.progress,
             desc=f"eval {task.name}", max_prompt_length=t.max_prompt_length, correct_threshold=cfg.correct_threshold,
-            max_batch_rows=cfg.max_batch_rows,
+            max_batch_rows=cfg.max_batch_rows, engine=engine,
         )
     except ValueError as e:  # e.g. every prompt longer than task.max_prompt_length
         raise ConfigError(str(e)) from None
@@ -359,8 +386,8 @@ def _check_search(cfg: Config, task: Task) -> list[tuple[str, Budget]]:
     return cells
 
 
-def _search(cfg: Config, cells: list[tuple[str, Budget]], task: Task, model, tok, records: list[dict], run_dir: Path,
-            device) -> RunResult:
+def _search(cfg: Config, cells: list[tuple[str, Budget]], task: Task, model, tok, engine, records: list[dict],
+            run_dir: Path, device) -> RunResult:
     """Run every (strategy, budget) cell on the same problems; write its files and the sweep's table."""
     t = cfg.task
     try:
@@ -369,8 +396,6 @@ def _search(cfg: Config, cells: list[tuple[str, Budget]], task: Task, model, tok
         raise ConfigError(str(e)) from None
     if not problems:
         raise ConfigError(f"nothing to evaluate: {len(records)} records, {skipped} longer than task.max_prompt_length")
-    engine = build.engine_for("hf", model, tok, max_batch_rows=cfg.max_batch_rows, seed=cfg.seed,
-                              prefix_cache_bytes=cfg.search.prefix_cache_mb << 20)
     scorer = None
     pool = RewardPool.from_task(task, num_workers=t.reward_workers, timeout=t.reward_timeout)
     try:

@@ -52,6 +52,7 @@ from ..optim import build_optimizer, build_training
 from ..rollout.batch import RolloutBatch, build_batch
 from ..rollout.traces import write_traces
 from ..rollout.vine import AdaptiveK, VineEpisode, mc_step_values
+from ..rollout.weights import engine_weights
 from ..rundir import open_run
 from ..tracking import StageClock, read_metrics
 from . import RunResult, build
@@ -126,7 +127,8 @@ def _setup(cfg: Config, device, run_dir) -> tuple[_Run, Callable[[int], None]]:
                                      betas=(cfg.optim.beta1, cfg.optim.beta2))
     if ckpt is not None:
         load_model_weights(policy, ckpt)
-    engine = build.engine_for(ro.engine, policy, tok, max_batch_rows=ro.max_batch_rows, seed=cfg.seed)
+    engine = build.engine_for(ro.engine, policy, tok, max_batch_rows=ro.max_batch_rows, seed=cfg.seed, m=m, vllm=ro.vllm,
+                              max_model_len=t.max_prompt_length + (ro.max_response_tokens or ro.max_new_tokens * ro.max_turns))
     policy = distributed.wrap_fsdp(policy)
     collector = build.collector_for(task, t, ro, cfg.reward, tok, engine, m=m, device=device, seed=cfg.seed)
     banner.start("rl", cfg, model=policy, **_facts(cfg, collector, run_dir, device))
@@ -234,7 +236,7 @@ def train(cfg: Config) -> RunResult:
             bad_in_a_row = bad_in_a_row + skipped if skipped else 0
             run.engine.wake()
             with clock("sync"):  # 7. the HF engine in one process holds the policy's own tensors: nothing is copied
-                run.engine.load_weights(_named_weights(run.policy))
+                run.engine.load_weights(engine_weights(run.engine, run.policy))
             metrics = {**_step_metrics(run, groups, batch, rewards, stats, old_logps, clock), **value_stats}
             if run.evaluator is not None and run.evaluator.due(step, cfg.max_steps):  # held-out accuracy, updated policy
                 metrics.update(run.evaluator(run.policy, run.engine, step, write=run.tracker.write))
@@ -262,6 +264,7 @@ def train(cfg: Config) -> RunResult:
         run.tracker.close()
     history = read_metrics(run_dir) if distributed.is_main() else []
     distributed.barrier()
+    run.engine.close()  # the last collective is behind us (a vLLM engine's shutdown ends the process group)
     banner.end("rl", run_dir=run_dir, seconds=time.perf_counter() - t_start, metrics=metrics, status=status,
                keys=("reward/mean", "reward/score", "eval/accuracy", "response/length_mean", "actor/kl"))
     return RunResult(run_dir=run_dir, steps=cfg.max_steps, metrics={**metrics, "status": status}, history=history)
@@ -287,6 +290,8 @@ def _values(run: _Run, cfg: Config, step: int, groups, batch, micro) -> tuple[ob
     v, c = cfg.vine, run.collector
     episodes = [VineEpisode(e.prompt_ids, e.response_ids, g.prompt_text, g.extra_info) for g in groups for e in g.episodes]
     run.engine.wake()  # generation between the rollout and the update
+    if getattr(run.engine, "weights_stale", False):  # a vLLM engine that slept at level 2 dropped them
+        run.engine.load_weights(engine_weights(run.engine, run.policy))
     values, stats = mc_step_values(
         run.engine, run.tok, episodes, score=lambda p, r, i: [x.reward for x in c.pool.score(p, r, i)], params=c.sampling,
         k=v.k, max_steps=v.max_steps, delimiter=run.step_delimiter, dedup=v.dedup,
@@ -359,13 +364,6 @@ def _update(run: _Run, cfg: Config, step: int, batch, advantages, returns, old_l
     return stats, skipped
 
 
-def _named_weights(model):
-    """(name, full tensor) of the trainable parameters, gathered from FSDP shards one at a time."""
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            yield name, distributed.full_tensor(p.detach())
-
-
 def _skip_step(run: _Run, cfg: Config, step: int, skipped_steps: int, clock: StageClock) -> None:
     with warnings.catch_warnings():  # torch warns of a schedule step before any optimizer step: intended here
         warnings.simplefilter("ignore", UserWarning)
@@ -394,7 +392,8 @@ def _step_metrics(run: _Run, groups, batch: RolloutBatch, rewards: Rewards, stat
     if rewards.penalties is not None:
         out["reward/kl_penalty"] = float(-rewards.penalties.sum(-1).mean())
     if old_logps is not None:  # engine vs trainer on the same tokens and weights
-        m = batch.response_mask
-        out["actor/logp_mismatch"] = float(((batch.sampling_logps - old_logps).abs() * m).sum() / m.sum().clamp_min(1))
+        m, gap = batch.response_mask, (batch.sampling_logps - old_logps).abs()
+        out["actor/logp_mismatch"] = float((gap * m).sum() / m.sum().clamp_min(1))
+        out["actor/logp_mismatch_max"] = float(gap[m.bool()].max()) if m.any() else 0.0
     out["perf/tokens_per_s"] = float(batch.seq_lens.sum()) / max(out["time/step_s"], 1e-9)
     return out

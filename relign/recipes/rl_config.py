@@ -18,6 +18,7 @@ from ..config import (
     LoggingConfig,
     ModelConfig,
     OptimConfig,
+    VllmConfig,
     check_choice,
     check_common,
     check_fraction,
@@ -32,7 +33,8 @@ from .rl_advantages import ESTIMATORS
 @dataclass
 class RolloutConfig:
     engine: str = "hf"
-    """Inference engine: hf (built in, shares the policy's weights in one process)."""
+    """Inference engine: hf (built in, shares the policy's weights in one process) or vllm
+    (colocated vLLM, weights synced in place after every update; pip install "relign[vllm]")."""
     n: int = 8
     """Completions per prompt (group size G)."""
     temperature: float = 1.0
@@ -55,6 +57,8 @@ class RolloutConfig:
     """Model turns per episode with a multi-turn environment (task.env, or a task that has one)."""
     max_batch_rows: int = 256
     """Most sequences the engine decodes at once."""
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    """Settings of the vLLM engine (rollout.engine=vllm)."""
 
 
 @dataclass
@@ -260,6 +264,25 @@ def check_counts(cfg: Config) -> None:
                           f"rollout.max_new_tokens={ro.max_new_tokens}")
 
 
+def check_vllm(cfg, section: str, *, top_p: float = 1.0, top_k: int = 0) -> None:
+    """``engine=vllm`` in ``section`` (rollout, or '' for eval): vLLM importable (else one line
+    with the install command) and the settings under ``vllm`` sane."""
+    from ..config import get_key
+    from ..rollout.vllm_engine import import_vllm
+
+    pre = f"{section}." if section else ""
+    import_vllm(f"{pre}engine")
+    v: VllmConfig = get_key(cfg, f"{pre}vllm")
+    check_positive(cfg, f"{pre}vllm.tensor_parallel_size")
+    check_non_negative(cfg, f"{pre}vllm.kv_cache_gb", f"{pre}vllm.max_model_len")
+    if not 0 < v.gpu_memory_utilization <= 1:
+        raise ConfigError(f"bad value for '{pre}vllm.gpu_memory_utilization': {v.gpu_memory_utilization}; it must lie in (0, 1]")
+    if top_p < 1 or top_k > 0:
+        warnings.warn(f"{pre}engine=vllm with top_p={top_p}, top_k={top_k}: vLLM reports log-probs renormalised over the "
+                      "kept tokens, the trainer recomputes them over the whole vocabulary (actor/logp_mismatch shows the gap)",
+                      stacklevel=2)
+
+
 def check(cfg: Config) -> None:
     from .build import ENGINES
 
@@ -267,6 +290,8 @@ def check(cfg: Config) -> None:
     check_common(cfg)
     a, ro = cfg.algorithm, cfg.rollout
     check_choice("rollout.engine", ro.engine, ENGINES)
+    if ro.engine == "vllm":
+        check_vllm(cfg, "rollout", top_p=ro.top_p, top_k=ro.top_k)
     check_choice("algorithm.advantage", a.advantage, tuple(ESTIMATORS))
     check_choice("algorithm.scale_rewards", a.scale_rewards, ("std", "none"))
     check_choice("algorithm.policy_loss", a.policy_loss, ("ppo_clip", "gspo"))

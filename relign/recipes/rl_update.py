@@ -200,12 +200,17 @@ class Stats:
     def __init__(self):
         self.sums: dict[str, list[float]] = {}  # key -> [sum, count]
         self.values: dict[str, list[float]] = {}  # key -> already global values (one per update)
+        self.maxes: dict[str, float] = {}  # key -> this rank's largest value
 
     def add_masked(self, key: str, x: torch.Tensor, mask: torch.Tensor, weight: float = 1.0) -> None:
         if weight:
             s = self.sums.setdefault(key, [0.0, 0.0])
             s[0] += float((x * mask).sum())
             s[1] += float(mask.sum())
+
+    def add_max(self, key: str, x: torch.Tensor, mask: torch.Tensor) -> None:
+        if mask.any():
+            self.maxes[key] = max(self.maxes.get(key, float("-inf")), float(x[mask.bool()].max()))
 
     def add(self, key: str, value: float) -> None:
         self.values.setdefault(key, []).append(float(value))
@@ -216,6 +221,10 @@ class Stats:
             keys = sorted(self.sums)
             t = distributed.all_reduce_sum(torch.tensor([self.sums[k] for k in keys], dtype=torch.float64))
             out.update({k: float(s / c) for k, (s, c) in zip(keys, t.tolist()) if c > 0})
+        if self.maxes:  # every rank reduces the same keys (a rank without tokens sends -inf)
+            keys = sorted(self.maxes)
+            t = distributed.all_reduce_max(torch.tensor([self.maxes[k] for k in keys], dtype=torch.float64))
+            out.update(zip(keys, t.tolist()))
         return out
 
 
@@ -273,7 +282,9 @@ def update_policy(policy, optimizer, scheduler, params, batch: RolloutBatch, min
             if "kl" in info:
                 stats.add_masked("actor/kl", info["kl"], mb_mask, m.weight)
             if old_logps is None:  # one update: these are still the sampling policy's log-probs
-                stats.add_masked("actor/logp_mismatch", (batch.sampling_logps[mb_rows] - logps.detach()).abs(), mb_mask, m.weight)
+                gap = (batch.sampling_logps[mb_rows] - logps.detach()).abs()
+                stats.add_masked("actor/logp_mismatch", gap, mb_mask, m.weight)
+                stats.add_max("actor/logp_mismatch_max", gap, mb_mask)
         loss_total = float(distributed.all_reduce_sum(loss_sum))  # the mini-batch's loss, all ranks
         stats.add("actor/loss", loss_total)
         skipped += not _step(optimizer, scheduler, params, max_grad_norm, math.isfinite(loss_total), stats, "actor")

@@ -71,9 +71,26 @@ def derive_seed(*parts: int) -> int:
     return z >> 1
 
 
+def eos_token_ids(tokenizer, model=None) -> list[int]:
+    """The ids that end a completion: the tokenizer's EOS and the model's generation-config
+    EOS ids (chat models often list their end-of-turn token only there)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif isinstance(gen_eos, (list, tuple)):
+        ids.update(gen_eos)
+    return sorted(ids)
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the recipes need from an inference engine (the built-in HF engine, vLLM, ...)."""
+
+    weight_format: str
+    """What ``load_weights`` takes (``rollout.weights``): 'trainer' (the trainable parameters
+    under the trainer's names) or 'checkpoint' (every parameter under its checkpoint name,
+    LoRA merged)."""
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, *, seeds: list[int] | None = None
@@ -93,11 +110,17 @@ class Engine(Protocol):
         ...
 
     def sleep(self) -> None:
-        """Free memory for the update (the KV cache, or the weights of a colocated engine)."""
+        """Free memory for the update (the KV cache, or the weights of a colocated engine).
+        A no-op where there is nothing to free (both engines on CPU)."""
         ...
 
     def wake(self) -> None:
         """Take back what ``sleep`` released, before the next ``load_weights`` / ``generate``."""
+        ...
+
+    def close(self) -> None:
+        """Free the engine's memory; after the run's last collective (vLLM's shutdown destroys
+        the process group)."""
         ...
 
     def state_dict(self) -> dict[str, torch.Tensor]:

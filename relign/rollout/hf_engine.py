@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .engine import Completion, SamplingParams, derive_seed
+from .engine import Completion, SamplingParams, derive_seed, eos_token_ids
 from .prefix_cache import PrefixCache
 
 
@@ -133,6 +133,9 @@ def growing_cache(config, capacity: int) -> DynamicCache:
 class HFEngine:
     """Batched sampling on a transformers causal LM (see the module docstring)."""
 
+    weight_format = "trainer"
+    """``load_weights`` takes the trainer's parameter names (the engine holds the policy module or a replica)."""
+
     def __init__(self, model, tokenizer, *, max_batch_rows: int = 256, seed: int = 0, compact_fraction: float = 0.25,
                  prefix_cache_bytes: int = 0):
         self.model = model
@@ -143,14 +146,8 @@ class HFEngine:
         self.compact_fraction = compact_fraction
         self.device = next(model.parameters()).device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.eos_ids = eos_token_ids(tokenizer, model)
         eos = tokenizer.eos_token_id
-        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        ids = {eos} if eos is not None else set()
-        if isinstance(gen_eos, int):
-            ids.add(gen_eos)
-        elif isinstance(gen_eos, (list, tuple)):
-            ids.update(gen_eos)
-        self.eos_ids = sorted(ids)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
 
     # ------------------------------------------------------------------ protocol
@@ -180,6 +177,10 @@ class HFEngine:
 
     def wake(self) -> None:
         pass
+
+    def close(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"generator": self.generator.get_state()}

