@@ -87,7 +87,7 @@ REPO = Path(__file__).resolve().parent.parent
 THIS = Path(__file__).resolve()
 GSM8K = REPO / "relign" / "envs" / "data" / "gsm8k_train_512.jsonl"
 RESULTS = REPO / "bench" / "results" / "grpo_step.json"
-LIBS = ("relign", "trl")
+LIBS = ("relign", "relign-vllm", "trl")  # relign-vllm: the same run with rollout.engine=vllm
 PHASES = ("step", "rollout", "generate", "reward", "train", "ref")
 
 
@@ -176,6 +176,7 @@ def worker_relign(a: argparse.Namespace) -> dict:
         f"max_steps={a.steps}", f"seed={a.seed}", "device=cpu", f"traces_per_step={n_completions}",
         "logging.progress=false", "logging.tensorboard=false", "checkpoint.save_final=false", "checkpoint.save_every=0",
         f"run_dir={run_dir}",
+        *(["rollout.engine=vllm"] if a.worker == "relign-vllm" else []),
         *a.relign_set,
     ]
     tok = AutoTokenizer.from_pretrained(a.model)
@@ -202,7 +203,7 @@ def worker_relign(a: argparse.Namespace) -> dict:
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     return {
-        "library": "relign",
+        "library": a.worker,
         "rows": rows,
         "train_call_seconds": total,
         "rss_after_imports_mb": rss_after_imports,
@@ -375,7 +376,7 @@ def worker_trl(a: argparse.Namespace) -> dict:
 def run_worker(a: argparse.Namespace) -> None:
     import torch
 
-    res = (worker_relign if a.worker == "relign" else worker_trl)(a)
+    res = (worker_relign if a.worker.startswith("relign") else worker_trl)(a)
     res["peak_rss_mb"] = _peak_rss_mb()
     res["torch_threads"] = torch.get_num_threads()
     rows = res["rows"]
@@ -523,6 +524,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="before each run, wait up to this many seconds for other processes to leave the CPU idle (0: don't)")
     p.add_argument("--relign-set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra relign rl override, repeatable (e.g. share_prompt=false to turn off shared-prompt training forwards)")
+    p.add_argument("--engines", default="hf", help="relign's rollout engines to run, comma-separated: hf, vllm (default hf)")
     p.add_argument("--out", default=str(RESULTS), help="JSON results path")
     # internal
     p.add_argument("--worker", choices=LIBS, help=argparse.SUPPRESS)
@@ -564,15 +566,17 @@ def main(argv: list[str] | None = None) -> None:
         if not setup_check["same_prompt_ids"]:
             print("WARNING: relign and TRL tokenize the prompts differently", file=sys.stderr)
 
-        all_runs: dict[str, list[dict]] = {lib: [] for lib in LIBS}
+        engines = [e.strip() for e in a.engines.split(",") if e.strip()]
+        libs = [*(("relign" if e == "hf" else f"relign-{e}") for e in engines), "trl"]
+        all_runs: dict[str, list[dict]] = {lib: [] for lib in libs}
         for rep in range(a.repeats):
-            for lib in (LIBS if rep % 2 == 0 else LIBS[::-1]):  # alternate who goes first: slow drift hits both
+            for lib in (libs if rep % 2 == 0 else libs[::-1]):  # alternate who goes first: slow drift hits both
                 print(f"[{rep + 1}/{a.repeats}] {lib}: {a.steps} GRPO steps ...", file=sys.stderr, flush=True)
                 all_runs[lib].append(_spawn(lib, a, model_dir, prompts_path, tmp, rep))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     runs = {lib: _summarize(v, a.warmup) for lib, v in all_runs.items()}
-    r, t = runs["relign"], runs["trl"]
+    r, t = runs[libs[0]], runs["trl"]  # the first relign engine is the headline; the others get a column
 
     # ---- checks: equal work
     want_tokens = a.prompts_per_step * a.group * a.max_new_tokens
@@ -582,7 +586,9 @@ def main(argv: list[str] | None = None) -> None:
         "same_generated_tokens_every_step": r["gen_tokens_per_step"] == t["gen_tokens_per_step"],
         "generated_tokens_per_step": want_tokens,
         "all_steps_exactly_max_new_tokens": all(x == want_tokens for x in r["gen_tokens_per_step"] + t["gen_tokens_per_step"]),
-        "completions_per_step": {lib: sorted({s["n_completions"] for s in runs[lib]["kept_steps"]}) for lib in LIBS},
+        "completions_per_step": {lib: sorted({s["n_completions"] for s in runs[lib]["kept_steps"]}) for lib in libs},
+        "same_generated_tokens_every_step_all_engines": all(runs[lib]["gen_tokens_per_step"] == t["gen_tokens_per_step"]
+                                                            for lib in libs),
         "trl_old_logp_passes": sum(1 for s in t["kept_steps"] if s.get("nograd_logps_other")),
     }
     for k in ("same_prompt_ids_tokenization", "same_prompts_every_step", "same_generated_tokens_every_step",
@@ -692,6 +698,23 @@ def main(argv: list[str] | None = None) -> None:
         f"generated tokens/step relign=TRL={want_tokens} every step={checks['all_steps_exactly_max_new_tokens']}, "
         f"TRL old-logp passes={checks['trl_old_logp_passes']}"
     )
+    others = [lib for lib in libs if lib not in (libs[0], "trl")]
+    if others:  # relign with other rollout engines, same steps, same checks
+        head = [libs[0], *others, "trl"]
+        lines += ["", "| phase | " + " | ".join(f"{x} s" for x in head) + " | "
+                  + " | ".join(f"{x} speedup vs TRL" for x in head[:-1]) + " |",
+                  "|---|" + "---:|" * (2 * len(head) - 1)]
+        for ph in PHASES:
+            secs = [runs[x]["median_seconds"][ph] for x in head]
+            lines.append(f"| {labels[ph]} | " + " | ".join(f"{v:.3f}" for v in secs) + " | "
+                         + " | ".join(f"{secs[-1] / v:.2f}x" if v else "-" for v in secs[:-1]) + " |")
+        for x in head[:-1]:
+            sync = [st["relign_stage_seconds"].get("time/sync_s", 0.0) for st in runs[x]["kept_steps"]]
+            share = _median([y / st["step"] for y, st in zip(sync, runs[x]["kept_steps"])])
+            lines.append(f"{x}: weight sync median {_median(sync):.3f} s/step ({100 * share:.1f}% of the step); "
+                         f"peak RSS {runs[x]['peak_rss_mb']:,.0f} MB")
+            out["ratios"][f"{x}_step_speedup_trl_over_relign"] = t["median_seconds"]["step"] / runs[x]["median_seconds"]["step"]
+            out["ratios"][f"{x}_sync_share_of_step"] = share
     if _git_state() != git_before:
         lines.append("  WARNING: the relign checkout changed while the benchmark ran; runs may mix versions")
         out["env"]["relign_git_after"] = _git_state()

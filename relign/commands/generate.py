@@ -168,7 +168,9 @@ def main(argv: list[str]) -> int:
     if a.engine == "vllm":  # vLLM loads the weights itself; only the tokenizer is needed here
         from ..models.loading import load_tokenizer
 
-        path = resolve_model_arg(a.model)
+        from ..models.loading import resolve_model_path
+
+        path = resolve_model_path(resolve_model_arg(a.model))  # tiny:SIZE is built (once) here
         model, tok = None, load_tokenizer(path, trust_remote_code=a.trust_remote_code, key="MODEL")
     else:
         model, tok = load_for_inference(a.model, dtype=a.dtype, device=a.device, trust_remote_code=a.trust_remote_code)

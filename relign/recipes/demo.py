@@ -134,6 +134,10 @@ def _check(cfg: Config) -> None:
     from .build import ENGINES
 
     check_choice("demo.engine", d.engine, ENGINES)
+    if d.engine == "vllm":  # before the run directory exists
+        from ..rollout.vllm_engine import import_vllm
+
+        import_vllm("demo.engine")
     check_non_negative(cfg, "demo.test_problems", "demo.max_new_tokens", "demo.sft_lr", "demo.lr")
     check_model_path("demo.model", d.model, required=False)
     check_wandb(cfg.logging)

@@ -271,12 +271,12 @@ def check_vllm(cfg, section: str, *, top_p: float = 1.0, top_k: int = 0) -> None
     from ..rollout.vllm_engine import import_vllm
 
     pre = f"{section}." if section else ""
-    import_vllm(f"{pre}engine")
     v: VllmConfig = get_key(cfg, f"{pre}vllm")
     check_positive(cfg, f"{pre}vllm.tensor_parallel_size")
     check_non_negative(cfg, f"{pre}vllm.kv_cache_gb", f"{pre}vllm.max_model_len")
     if not 0 < v.gpu_memory_utilization <= 1:
         raise ConfigError(f"bad value for '{pre}vllm.gpu_memory_utilization': {v.gpu_memory_utilization}; it must lie in (0, 1]")
+    import_vllm(f"{pre}engine")
     if top_p < 1 or top_k > 0:
         warnings.warn(f"{pre}engine=vllm with top_p={top_p}, top_k={top_k}: vLLM reports log-probs renormalised over the "
                       "kept tokens, the trainer recomputes them over the whole vocabulary (actor/logp_mismatch shows the gap)",

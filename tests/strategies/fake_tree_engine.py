@@ -463,6 +463,9 @@ class FakeTreeEngine:
         self.weight_loads = 0
         self.sleeping = False
 
+    weight_format = "trainer"
+    """The Engine protocol's attribute: ``load_weights`` takes trainer names (only counted here)."""
+
     # ------------------------------------------------------------------ parsing
     def node_of(self, prompt_ids: Sequence[int]) -> tuple[int, Path]:
         """(problem, path) of a prompt: ``[PROMPT0 + problem] + response so far``."""
@@ -552,6 +555,9 @@ class FakeTreeEngine:
 
     def wake(self) -> None:
         self.sleeping = False
+
+    def close(self) -> None:
+        pass
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         version, internal, gauss = self._rng.getstate()

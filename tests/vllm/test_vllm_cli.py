@@ -94,3 +94,36 @@ def test_demo_runs_on_vllm(tmp_path):
     assert summary["engine"] == "vllm", summary
     assert _rows(run / "rl")[-1]["actor/logp_mismatch_max"] < 1e-4
     assert "accuracy" in proc.stdout
+
+
+def test_truncated_importance_sampling_runs_on_vllm(vllm_model_dir, tmp_path):
+    """algorithm.tis_cap: the old log-probs are computed, the engine's are the sampling ones."""
+    run = tmp_path / "run"
+    run_cli("rl", *toy_overrides(vllm_model_dir, tmp_path), "rollout.engine=vllm", "algorithm.tis_cap=2.0", "max_steps=2",
+            "prompts_per_step=4", "rollout.n=4", "traces_per_step=0", "checkpoint.save_final=false", f"run_dir={run}")
+    rows = _rows(run, "actor/loss")
+    assert len(rows) == 2 and all(r["actor/logp_mismatch_max"] < 1e-4 for r in rows), rows
+
+
+def test_a_shape_vllm_cannot_run_is_one_line(tiny_model_dir, tmp_path):
+    """The suite's micro model has 16-dim heads, below what vLLM's CPU attention takes."""
+    proc = run_cli("rl", "grpo", f"model.path={tiny_model_dir}", "rollout.engine=vllm", "max_steps=1",
+                   f"run_dir={tmp_path / 'run'}", *QUIET, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "rollout.engine=vllm: vLLM's CPU attention does not support the shape of" in lines[-1], lines[-1]
+
+
+def test_an_architecture_vllm_lacks_is_named(vllm_model_dir, tmp_path):
+    import shutil
+
+    from relign.config import ConfigError
+    from relign.rollout.vllm_engine import check_architecture
+
+    odd = tmp_path / "odd"
+    shutil.copytree(vllm_model_dir, odd)
+    cfg = json.loads((odd / "config.json").read_text())
+    cfg["architectures"] = ["NoSuchModelForCausalLM"]
+    (odd / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="vLLM does not support the architecture NoSuchModelForCausalLM"):
+        check_architecture(str(odd))

@@ -159,7 +159,7 @@ def test_sleep_and_wake_are_no_ops_on_cpu(setup):
 THREADS_SCRIPT = """
 import sys, torch
 from relign.config import ModelConfig
-from relign.models.loading import load_causal_lm
+from relign.models.loading import load_causal_lm, load_tokenizer
 from relign.recipes.build import engine_for
 d = sys.argv[1]
 tok, policy = load_tokenizer(d), load_causal_lm(d)
