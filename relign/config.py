@@ -68,8 +68,9 @@ class VllmConfig:
     """GPU: the fraction of the GPU's memory vLLM may take for weights and KV cache (the
     trainer shares the GPU). Ignored when kv_cache_gb is set, and on CPU."""
     kv_cache_gb: float = 0.0
-    """KV cache size in GiB. 0 = on GPU, from gpu_memory_utilization; on CPU, enough for
-    max_batch_rows sequences of max_model_len tokens (at least 64 MiB, at most 8 GiB)."""
+    """KV cache size in GiB. 0 = on GPU, from gpu_memory_utilization; on CPU, enough for the
+    rows of one engine call (RL: prompts_per_step x n per rank, at most max_batch_rows) of
+    max_model_len tokens each (at least 64 MiB, at most 4 GiB)."""
     max_model_len: int = 0
     """Longest sequence (prompt + completion) the engine holds; 0 = the run's longest prompt
     plus its longest response, capped by the model's max_position_embeddings."""

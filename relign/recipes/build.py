@@ -58,7 +58,7 @@ def tracker_for(lg: LoggingConfig, run_dir, *, total_steps: int, start_step: int
 
 
 def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows: int, seed: int, prefix_cache_bytes: int = 0,
-               m: ModelConfig | None = None, vllm: VllmConfig | None = None, max_model_len: int = 0,
+               m: ModelConfig | None = None, vllm: VllmConfig | None = None, max_model_len: int = 0, rows: int = 0,
                key: str = "rollout.engine"):
     """The rollout engine, built before the policy is sharded (and, under torchrun, after the
     process group exists: vLLM joins it).
@@ -73,7 +73,9 @@ def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows:
     vllm: a colocated vLLM engine (one per rank) for ``m.path``'s architecture, started with
     dummy weights and given the policy's at once (a resumed or LoRA-merged policy included).
     ``max_model_len`` is the run's longest prompt + response when ``vllm.max_model_len`` is 0
-    (0 too: the model's max_position_embeddings).
+    (0 too: the model's max_position_embeddings). ``rows``: the sequences one call decodes (RL:
+    a step's share of completions), when fewer than ``max_batch_rows``: vLLM's ``max_num_seqs``,
+    which sizes its KV cache on CPU.
     ``key`` names the setting in error messages.
     """
     if kind not in ENGINES:
@@ -95,7 +97,8 @@ def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows:
                                   f"max_position_embeddings={limit}")
             length = limit
         engine = VLLMEngine(resolve_model_path(m.path), tokenizer, eos_token_ids=eos_token_ids(tokenizer, policy),
-                            max_model_len=length, dtype=next(policy.parameters()).dtype, max_num_seqs=max_batch_rows,
+                            max_model_len=length, dtype=next(policy.parameters()).dtype,
+                            max_num_seqs=min(max_batch_rows, rows) if rows > 0 else max_batch_rows,
                             seed=seed, settings=vllm, tokenizer_path=resolve_model_path(m.tokenizer or m.path),
                             trust_remote_code=m.trust_remote_code, key=key)
         engine.load_weights(checkpoint_weights(policy))

@@ -159,7 +159,7 @@ class VLLMEngine:
                 from transformers import AutoConfig
 
                 per_token = kv_bytes_per_token(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code), dtype)
-                kwargs["kv_cache_memory_bytes"] = int(min(max(per_token * max_num_seqs * max_model_len, 64 * 2**20), 8 * 2**30))
+                kwargs["kv_cache_memory_bytes"] = int(min(max(per_token * max_num_seqs * max_model_len, 64 * 2**20), 4 * 2**30))
             # seeded sampling + a chunked prefill kills the CPU engine in 0.32: every prefill in one step
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 16384))
         else:

@@ -70,6 +70,21 @@ def test_completion_fields_stop_tokens_and_min_tokens(setup):
     assert stop not in late.token_ids[: first + 2]
 
 
+def test_stop_strings_cut_the_text(setup):
+    """A stop string ends the completion: finish 'stop', the string as stop_reason, the text cut
+    before it, and the tokens up to the one that completed it (with their log-probs)."""
+    tok, _, engine = setup
+    prompts = _prompts(tok, 1)
+    full = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True), seeds=[3])[0][0]
+    k, piece = next((k, tok.decode([t]).strip()) for k, t in enumerate(full.token_ids)
+                    if k >= 2 and tok.decode([t]).strip() and tok.decode([t]).strip() not in tok.decode(full.token_ids[:k]))
+    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True, stop=[piece]),
+                          seeds=[3])[0][0]
+    assert out.finish_reason == "stop" and out.stop_reason == piece
+    assert out.token_ids == full.token_ids[: k + 1] and len(out.logps) == k + 1
+    assert piece not in out.text and full.text.startswith(out.text)
+
+
 def test_same_seed_same_completions_whatever_the_batch(setup):
     tok, _, engine = setup
     prompts = _prompts(tok, 5)
