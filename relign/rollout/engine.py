@@ -71,6 +71,14 @@ def derive_seed(*parts: int) -> int:
     return z >> 1
 
 
+def check_generate_args(prompts: list[list[int]], seeds: list[int] | None) -> None:
+    """What every engine's ``generate`` refuses: an empty prompt, a seed list of the wrong length."""
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"seeds: {len(seeds)} seeds for {len(prompts)} prompts")
+
+
 def eos_token_ids(tokenizer, model=None) -> list[int]:
     """The ids that end a completion: the tokenizer's EOS and the model's generation-config
     EOS ids (chat models often list their end-of-turn token only there)."""

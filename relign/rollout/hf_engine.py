@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .engine import Completion, SamplingParams, derive_seed, eos_token_ids
+from .engine import Completion, SamplingParams, check_generate_args, derive_seed, eos_token_ids
 from .prefix_cache import PrefixCache
 
 
@@ -193,10 +193,7 @@ class HFEngine:
                  ) -> list[list[Completion]]:
         if not prompts:
             return []
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"seeds: {len(seeds)} seeds for {len(prompts)} prompts")
+        check_generate_args(prompts, seeds)
         gen = self.generator
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)

