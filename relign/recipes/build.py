@@ -93,7 +93,7 @@ def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows:
                               "setting")
         if limit and length > limit:
             if vllm.max_model_len:
-                raise ConfigError(f"rollout.vllm.max_model_len={length} is longer than the model's "
+                raise ConfigError(f"{key.rsplit('engine', 1)[0]}vllm.max_model_len={length} is longer than the model's "
                                   f"max_position_embeddings={limit}")
             length = limit
         engine = VLLMEngine(resolve_model_path(m.path), tokenizer, eos_token_ids=eos_token_ids(tokenizer, policy),

@@ -127,3 +127,15 @@ def test_an_architecture_vllm_lacks_is_named(vllm_model_dir, tmp_path):
     (odd / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="vLLM does not support the architecture NoSuchModelForCausalLM"):
         check_architecture(str(odd))
+
+
+def test_search_runs_on_vllm(vllm_model_dir, tmp_path):
+    """A tree search (step beam, rule scorer) and a sampling strategy through eval on the vLLM engine."""
+    for strategy in (["strategy=step_beam", "scorer=rule", "search.beams=2", "search.width=2", "budget.max_simulations=2"],
+                     ["strategy=majority", "budget.max_samples=4"]):
+        run = tmp_path / strategy[0].split("=")[1]
+        run_cli("eval", f"model.path={vllm_model_dir}", "task.name=countdown", "task.max_rows=2", "engine=vllm", *strategy,
+                "max_new_tokens=24", "search.step_max_tokens=8", "search.max_depth=4", "task.reward_workers=0",
+                f"run_dir={run}", *QUIET)
+        rows = [json.loads(line) for line in (run / "search.jsonl").read_text().splitlines()]
+        assert len(rows) == 2 and all(r["cost"]["generated_tokens"] > 0 for r in rows), rows
