@@ -115,31 +115,21 @@ def worker_relign(a: argparse.Namespace) -> dict:
         torch.set_num_threads(a.threads)
     import relign.recipes.preference as pref
     from relign.config import load_config
+    from relign.tracking import add_listener
 
     rss_after_imports = _proc_status_mb("VmRSS")
     rows: list[dict] = []
-    box: dict = {"ref_seconds": 0.0, "ref_pairs": 0}
-    orig_score = pref.score_examples
+    box: dict = {}
 
-    def score_examples(model, examples, **kw):  # the reference precompute (reference=precompute)
-        box["rss_before_ref_mb"] = _proc_status_mb("VmRSS")
-        t0 = time.perf_counter()
-        out = orig_score(model, examples, **kw)
-        box["ref_seconds"] += time.perf_counter() - t0
-        box["ref_pairs"] += len(examples)
-        box["hwm_after_ref_mb"] = _proc_status_mb("VmHWM")
-        return out
+    def on_log(step, metrics):  # relign.tracking.add_listener: every row the run logs, in process
+        if "time/reference_s" in metrics:  # the step-0 row, logged right after the reference precompute
+            box["ref_seconds"] = metrics["time/reference_s"]
+            box["hwm_after_ref_mb"] = _proc_status_mb("VmHWM")
+        if "perf/pairs_per_s" in metrics:
+            rows.append(_step_row(loss=float(metrics["train/loss"]), grad_norm=float(metrics["train/grad_norm"]),
+                                  inner_pairs_per_s=float(metrics["perf/pairs_per_s"])))
 
-    pref.score_examples = score_examples
-
-    class StepTracker(pref.Tracker):
-        def log(self, step, metrics, *, advance=True):
-            if "perf/pairs_per_s" in metrics:
-                rows.append(_step_row(loss=float(metrics["train/loss"]), grad_norm=float(metrics["train/grad_norm"]),
-                                      inner_pairs_per_s=float(metrics["perf/pairs_per_s"])))
-            return super().log(step, metrics, advance=advance)
-
-    pref.Tracker = StepTracker
+    add_listener(on_log)
     run_dir = tempfile.mkdtemp(prefix="relign-dpo-bench-")
     overrides = [
         f"model.path={a.model}", "model.dtype=fp32", "model.attn_implementation=sdpa",
@@ -169,10 +159,8 @@ def worker_relign(a: argparse.Namespace) -> dict:
         "library": "relign",
         "rows": rows,
         "train_call_seconds": total,
-        "ref_precompute_seconds": box["ref_seconds"] if box["ref_pairs"] else None,
-        "ref_precompute_pairs": box["ref_pairs"],
+        "ref_precompute_seconds": box.get("ref_seconds") if a.mode == "precompute" else None,
         "rss_after_imports_mb": rss_after_imports,
-        "rss_before_ref_precompute_mb": box.get("rss_before_ref_mb"),
         "peak_rss_after_ref_precompute_mb": box.get("hwm_after_ref_mb"),
         "ref_logps": ref_logps,
         "config": {
@@ -628,7 +616,7 @@ def main(argv: list[str] | None = None) -> None:
             "throughput_definition": "pairs of the timed steps / sum over timed steps of the step's wall time (end of previous "
                                      "step to end of this step), the fastest repeat for each step",
             "peak_rss_definition": "VmHWM of the worker process (imports, data, model load, reference, training); max over repeats",
-            "ref_precompute_definition": "relign: preference.score_examples over the training pairs; TRL: "
+            "ref_precompute_definition": "relign: its logged time/reference_s (the precompute); TRL: "
                                          "DPOTrainer._precompute_ref_logps (forwards + writing the arrow cache); fastest repeat",
         },
         "env": {

@@ -161,20 +161,12 @@ def worker_relign(a: argparse.Namespace) -> dict:
         torch.set_num_threads(a.threads)
     from relign.config import load_config
     from relign.recipes.sft import Config, train
-
-    import relign.recipes.sft as sft_module
+    from relign.tracking import add_listener
 
     rss_after_imports = _proc_status_mb("VmRSS")
     usage: list[tuple[float, int, int]] = []
-    tracker_cls = sft_module.Tracker
-
-    class UsageTracker(tracker_cls):  # records CPU time / page faults at every step's log call
-        def log(self, step, metrics, *, advance=True):
-            if "perf/tokens" in metrics:
-                usage.append(_usage())
-            return super().log(step, metrics, advance=advance)
-
-    sft_module.Tracker = UsageTracker
+    # CPU time / page faults at every step's metrics row, through the public in-process hook
+    add_listener(lambda step, metrics: usage.append(_usage()) if "perf/tokens" in metrics else None)
     run_dir = tempfile.mkdtemp(prefix="relign-sft-bench-")
     overrides = [
         f"model.path={a.model}",

@@ -12,9 +12,21 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from . import distributed
+
+Listener = Callable[[int, dict[str, Any]], None]
+_listeners: list[Listener] = []
+
+
+def add_listener(fn: Listener) -> Callable[[], None]:
+    """Call ``fn(step, metrics)`` with every row a run logs in this process (rank 0), right after
+    it is written to ``metrics.jsonl``: an in-process hook for a custom logger, an early stop
+    or a benchmark's clock, the way a TRL user writes a callback. Returns a function that
+    removes it. A listener that raises stops the run (it is the caller's code)."""
+    _listeners.append(fn)
+    return lambda: _listeners.remove(fn) if fn in _listeners else None
 
 
 def _fmt(value: float) -> str:
@@ -164,6 +176,8 @@ class Tracker:
         self.last.update(clean)
         self._file.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
         self._file.flush()
+        for fn in list(_listeners):
+            fn(step, clean)
         if self._tb is not None:
             for k, v in clean.items():
                 if isinstance(v, float) and math.isfinite(v):

@@ -59,7 +59,7 @@ def tracker_for(lg: LoggingConfig, run_dir, *, total_steps: int, start_step: int
 
 def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows: int, seed: int, prefix_cache_bytes: int = 0,
                m: ModelConfig | None = None, vllm: VllmConfig | None = None, max_model_len: int = 0, rows: int = 0,
-               key: str = "rollout.engine"):
+               key: str = "rollout.engine", fast_decode: bool = True):
     """The rollout engine, built before the policy is sharded (and, under torchrun, after the
     process group exists: vLLM joins it).
 
@@ -76,7 +76,8 @@ def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows:
     (0 too: the model's max_position_embeddings). ``rows``: the sequences one call decodes (RL:
     a step's share of completions), when fewer than ``max_batch_rows``: vLLM's ``max_num_seqs``,
     which sizes its KV cache on CPU.
-    ``key`` names the setting in error messages.
+    ``key`` names the setting in error messages. ``fast_decode``: the HF engine's own decode
+    step for the architectures it covers (rollout/fast_decode.py).
     """
     if kind not in ENGINES:
         raise ConfigError(f"bad value for '{key}': {kind!r}; choose one of {', '.join(ENGINES)}")
@@ -108,7 +109,8 @@ def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows:
     model = policy
     if distributed.world_size() > 1:
         model = copy.deepcopy(policy).eval().requires_grad_(False)
-    return HFEngine(model, tokenizer, max_batch_rows=max_batch_rows, seed=seed, prefix_cache_bytes=prefix_cache_bytes)
+    return HFEngine(model, tokenizer, max_batch_rows=max_batch_rows, seed=seed, prefix_cache_bytes=prefix_cache_bytes,
+                    fast_decode=fast_decode)
 
 
 def task_for(t: TaskConfig):

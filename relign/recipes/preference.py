@@ -315,6 +315,7 @@ def train(cfg: Config) -> RunResult:
     # ---- reference log-probs: once, before the first update, cached in the run directory
     ref_model = None
     ref_cache: dict[str, torch.Tensor] = {}
+    ref_seconds = 0.0
     ckpt = resolve_resume(cfg.resume, run_dir)
     if needs_ref and cfg.reference == "precompute":
         fp = _fingerprint(cfg, sets)
@@ -324,6 +325,7 @@ def train(cfg: Config) -> RunResult:
         else:
             # the starting policy is the reference unless another model is named; on resume
             # (cache lost) the policy has moved, so the reference is loaded from its path
+            t_ref = time.perf_counter()
             scorer = policy
             if cfg.ref_model or ckpt is not None:
                 scorer = load_causal_lm(cfg.ref_model or m.path, key=ref_key, **load)
@@ -333,6 +335,7 @@ def train(cfg: Config) -> RunResult:
                                                      pad_id=pad_id, device=device, share_prompt=share,
                                                      progress=cfg.logging.progress, desc=f"{cfg.loss} reference ({name})")
             del scorer
+            ref_seconds = time.perf_counter() - t_ref
             if distributed.is_main():
                 save_reference_cache(run_dir / REF_FILE, ref_cache, fp)
     elif needs_ref and not m.lora.enabled:
@@ -449,8 +452,8 @@ def train(cfg: Config) -> RunResult:
         ("train/loss", "train/kl", "train/rewards/desirable", "train/rewards/undesirable")
     tracker = Tracker(run_dir, total_steps=total_steps, start_step=start_step, desc=cfg.loss, bar_keys=bar, progress=lg.progress,
                       tensorboard=lg.tensorboard, wandb=lg.wandb, wandb_project=lg.wandb_project, run_name=lg.run_name)
-    if start_step == 0:
-        tracker.log(0, data_metrics, advance=False)
+    if start_step == 0:  # with the reference precompute's time (0: none, or read from the run's cache)
+        tracker.log(0, data_metrics | {"time/reference_s": ref_seconds}, advance=False)
     else:
         tracker.write(f"resumed from {ckpt} at step {start_step}")
 

@@ -128,6 +128,7 @@ def _setup(cfg: Config, device, run_dir) -> tuple[_Run, Callable[[int], None]]:
     if ckpt is not None:
         load_model_weights(policy, ckpt)
     engine = build.engine_for(ro.engine, policy, tok, max_batch_rows=ro.max_batch_rows, seed=cfg.seed, m=m, vllm=ro.vllm,
+                              fast_decode=ro.fast_decode,
                               max_model_len=t.max_prompt_length + (ro.max_response_tokens or ro.max_new_tokens * ro.max_turns),
                               rows=max(1, cfg.prompts_per_step // distributed.world_size()) * ro.n)
     policy = distributed.wrap_fsdp(policy)

@@ -57,6 +57,8 @@ class RolloutConfig:
     """Model turns per episode with a multi-turn environment (task.env, or a task that has one)."""
     max_batch_rows: int = 256
     """Most sequences the engine decodes at once."""
+    fast_decode: bool = True
+    """HF engine: decode Llama/Qwen2/Qwen3 models with relign's own one-token step (matmul attention over the preallocated cache, no per-token mask rebuild); false = the model's forward."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """Settings of the vLLM engine (rollout.engine=vllm)."""
 

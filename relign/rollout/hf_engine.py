@@ -28,6 +28,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .engine import Completion, SamplingParams, check_generate_args, derive_seed, eos_token_ids
+from .fast_decode import FastDecoder, unsupported_reason
 from .prefix_cache import PrefixCache
 
 
@@ -137,8 +138,10 @@ class HFEngine:
     """``load_weights`` takes the trainer's parameter names (the engine holds the policy module or a replica)."""
 
     def __init__(self, model, tokenizer, *, max_batch_rows: int = 256, seed: int = 0, compact_fraction: float = 0.25,
-                 prefix_cache_bytes: int = 0):
+                 prefix_cache_bytes: int = 0, fast_decode: bool = True):
         self.model = model
+        # decode steps outside transformers' forward where the architecture allows (fast_decode.py)
+        self.fast = FastDecoder(model) if fast_decode and unsupported_reason(model) is None else None
         # keys/values of earlier prompts, for prompts that extend them (tree search); 0 = off
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.tokenizer = tokenizer
@@ -241,6 +244,7 @@ class HFEngine:
             next_pos = next_pos.repeat_interleave(n, dim=0)
 
         R = P * n
+        fast = self.fast is not None and all(isinstance(layer, GrowingLayer) for layer in cache.layers)
         stop_ids = set() if params.ignore_eos else set(self.eos_ids)
         stop_ids.update(params.stop_token_ids)
         banned_until_min = sorted(stop_ids)
@@ -287,7 +291,11 @@ class HFEngine:
                 active, tok, attn, next_pos = active[keep], tok[keep], attn[keep], next_pos[keep]
                 pending = 0
             attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=-1)
-            logits = self._forward(tok.unsqueeze(-1), attn, next_pos.unsqueeze(-1), cache, prefill=False)
+            if fast:
+                bias = torch.zeros(attn.shape, dtype=torch.float32, device=dev).masked_fill_(attn == 0, float("-inf"))
+                logits = self.fast.step(tok, next_pos, bias, cache)
+            else:
+                logits = self._forward(tok.unsqueeze(-1), attn, next_pos.unsqueeze(-1), cache, prefill=False)
             next_pos = next_pos + 1
 
         return [self._completion(tokens_out[r], logps_out[r], finish[r] or "length", reason[r], stops) for r in range(R)]

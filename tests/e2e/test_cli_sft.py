@@ -146,3 +146,21 @@ def test_lora_saves_only_the_adapter(tiny_model_dir, memorize_data, tmp_path):
 
     model = AutoPeftModelForCausalLM.from_pretrained(ckpt)
     assert model.peft_config["default"].r == 4
+
+
+def test_listeners_see_every_logged_row_in_process(tiny_model_dir, memorize_data, tmp_path):
+    """relign.tracking.add_listener: the in-process hook (what the benchmarks time with)."""
+    from relign.cli import main
+    from relign.tracking import add_listener
+
+    seen: list[tuple[int, dict]] = []
+    remove = add_listener(lambda step, metrics: seen.append((step, dict(metrics))))
+    try:
+        assert main(_args(tiny_model_dir, memorize_data, tmp_path / "a", "max_steps=3", "logging.progress=false")) in (0, None)
+    finally:
+        remove()
+    rows = read_metrics(tmp_path / "a")
+    assert [s for s, _ in seen] == [r["step"] for r in rows] and len(rows) >= 3
+    assert all(m == {k: v for k, v in r.items() if k not in ("step", "time")} for (_, m), r in zip(seen, rows))
+    assert main(_args(tiny_model_dir, memorize_data, tmp_path / "b", "max_steps=1", "logging.progress=false")) in (0, None)
+    assert len(seen) == len(rows)  # removed: the second run is not seen

@@ -1,0 +1,112 @@
+"""The built-in HF engine: its own decode step (``rollout.fast_decode=true``) vs the model's forward.
+
+    python bench/hf_engine.py                 # GRPO bench shape: 4 prompts x G=8 x 128 tokens, 7 repeats
+    python bench/hf_engine.py --prompts 64    # a large batch: 512 rows at once
+
+Both sides are built as the RL recipe builds its engine (``relign.recipes.build.engine_for``,
+public API) on the same tiny random Qwen2 model (``relign.models.tiny``, "small", 10.4M
+parameters, fp32, CPU), one with ``fast_decode=True`` (the default) and one with
+``fast_decode=False`` (transformers' forward at every decode step, relign's preallocated KV
+cache on both), and called as the recipe calls them: ``generate`` with one seed per prompt,
+G = 8, exactly ``--max-new-tokens`` tokens (``ignore_eos``), temperature 1. The two engines
+live in one process and take turns (A B B A ...), each call on the next ``--prompts`` GSM8K
+training questions, so both see the same machine state; one untimed call each first. Checked
+every round: both return the same tokens (the same seeds and logits equal to float rounding).
+Reported: median and range of tokens/s over the repeats, and the ratio of the medians.
+Output: a markdown table on stdout and bench/results/hf_engine.json. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sft_throughput import _median  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+REPO = Path(__file__).resolve().parent.parent
+GSM8K = REPO / "relign" / "envs" / "data" / "gsm8k_train_512.jsonl"
+RESULTS = REPO / "bench" / "results" / "hf_engine.json"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=str(RESULTS))
+    a = p.parse_args(argv)
+
+    import torch
+    import transformers
+
+    import relign
+    from relign.config import ModelConfig
+    from relign.models.loading import load_causal_lm, load_tokenizer
+    from relign.models.tiny import build_tiny_model
+    from relign.recipes.build import engine_for
+    from relign.rollout.engine import SamplingParams, derive_seed
+
+    torch.set_num_threads(a.threads)
+    model_dir = os.path.join(tempfile.mkdtemp(prefix="hf-engine-bench-"), "model")
+    build_tiny_model(model_dir, arch="qwen2", size="small")
+    tok, policy = load_tokenizer(model_dir), load_causal_lm(model_dir)
+    questions = [json.loads(line)["question"] for line in open(GSM8K)]
+    prompts = [tok(q)["input_ids"] for q in questions]
+    engines = {mode: engine_for("hf", policy, tok, max_batch_rows=256, seed=0, m=ModelConfig(path=model_dir),
+                                fast_decode=(mode == "fused")) for mode in ("fused", "forward")}
+    params = SamplingParams(n=a.group, temperature=1.0, max_new_tokens=a.max_new_tokens, ignore_eos=True)
+    tokens = a.prompts * a.group * a.max_new_tokens
+    times: dict[str, list[float]] = {m: [] for m in engines}
+    for rnd in range(a.repeats + 1):  # round 0: untimed warm-up
+        start = (rnd * a.prompts) % (len(prompts) - a.prompts)
+        batch = prompts[start : start + a.prompts]
+        seeds = [derive_seed(rnd, i) for i in range(len(batch))]
+        outs = {}
+        for mode in (("fused", "forward") if rnd % 2 == 0 else ("forward", "fused")):
+            t0 = time.perf_counter()
+            outs[mode] = engines[mode].generate(batch, params, seeds=seeds)
+            if rnd:
+                times[mode].append(time.perf_counter() - t0)
+        ids = {m: [[c.token_ids for c in g] for g in o] for m, o in outs.items()}
+        assert ids["fused"] == ids["forward"], "the two decode paths sampled different tokens"
+        assert sum(len(c) for g in ids["fused"] for c in g) == tokens
+        print(f"[{rnd}/{a.repeats}] " + "  ".join(f"{m} {times[m][-1]:.3f} s" for m in times if rnd), file=sys.stderr,
+              flush=True)
+    tps = {m: [tokens / t for t in v] for m, v in times.items()}
+    med = {m: _median(v) for m, v in tps.items()}
+    out = {
+        "benchmark": "hf_engine", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": " ".join(["python", "bench/hf_engine.py", *(argv if argv is not None else sys.argv[1:])]),
+        "setup": {"model": "relign.models.tiny.build_tiny_model(arch='qwen2', size='small')", "prompts": a.prompts,
+                  "group": a.group, "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "dtype": "fp32",
+                  "threads": a.threads},
+        "env": {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+                "torch": torch.__version__, "transformers": transformers.__version__, "relign": relign.__version__,
+                "load_avg_after": os.getloadavg()},
+        "seconds": times, "tokens_per_s": tps, "median_tokens_per_s": med,
+        "speedup_fused_over_forward": med["fused"] / med["forward"],
+    }
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"\nHF engine: {a.prompts} prompts x G={a.group} x {a.max_new_tokens} tokens, tiny qwen2 'small' fp32, "
+          f"{a.threads} threads, {a.repeats} alternating repeats, median (range)\n")
+    print("| decode step | tokens/s |\n|---|---:|")
+    for m, label in (("forward", "the model's forward (`rollout.fast_decode=false`)"), ("fused", "relign's own step (default)")):
+        print(f"| {label} | {med[m]:,.0f} ({min(tps[m]):,.0f}–{max(tps[m]):,.0f}) |")
+    print(f"\nfused / forward: {out['speedup_fused_over_forward']:.2f}x; load average after: "
+          f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
