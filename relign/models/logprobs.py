@@ -8,6 +8,8 @@ bf16/fp16 logits each chunk is upcast on its own, so the peak extra memory is on
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 DEFAULT_CHUNK_TOKENS = 4096
@@ -166,22 +168,87 @@ def shared_prefix_token_logps(
 
     Returns logps (and entropy) [N, L] in the full-row layout, 0 outside the responses.
     """
+    heads = list(range(0, input_ids.shape[0], group_size))
+    prefix = prompt_prefix(model, input_ids[heads], attention_mask[heads], prompt_lens[heads])
+    return response_token_logps(model, prefix.repeat(group_size), input_ids, attention_mask, prompt_lens,
+                                temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                chunk_tokens=chunk_tokens)
+
+
+@dataclass
+class PromptPrefix:
+    """What the responses of a group need from their prompt: its keys and values in every layer
+    ([n, H_kv, P, D], the prompts left-padded to P columns), their mask [n, P], and the logits of
+    the prompt's last position [n, 1, V] (they score each response's first token)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    mask: torch.Tensor
+    first: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.keys, *self.values, self.first]
+
+    def repeat(self, times: int) -> PromptPrefix:
+        """Each prompt ``times`` times in a row (a group's rows); differentiable, autograd sums the copies."""
+        rep = lambda x: x.repeat_interleave(times, dim=0)  # noqa: E731
+        return PromptPrefix([rep(k) for k in self.keys], [rep(v) for v in self.values], rep(self.mask), rep(self.first))
+
+    def leaves(self) -> PromptPrefix:
+        """Detached copies that collect their own gradients: the responses' backward passes
+        stop here, and ``backward_from`` later sends the summed gradient through the prompt once."""
+        leaf = lambda x: x.detach().requires_grad_(x.requires_grad)  # noqa: E731
+        return PromptPrefix([leaf(k) for k in self.keys], [leaf(v) for v in self.values], self.mask, leaf(self.first))
+
+    def backward_from(self, leaves: PromptPrefix) -> None:
+        """Back-propagate the gradients the ``leaves`` collected through this prefix's graph."""
+        pairs = [(t, x.grad) for t, x in zip(self.tensors(), leaves.tensors()) if t.requires_grad and x.grad is not None]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+
+def prompt_prefix(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  prompt_lens: torch.Tensor) -> PromptPrefix:
+    """Run the prompts of rows ``[prompt | ...]`` (one row per group) once, left-padded so that
+    every prompt ends at the last column, and keep their keys and values."""
+    from transformers import DynamicCache
+
+    plen = prompt_lens.tolist()
+    P = max(plen)
+    pre_ids = input_ids.new_zeros(len(plen), P)
+    pre_mask = attention_mask.new_zeros(len(plen), P)
+    for g, n in enumerate(plen):
+        pre_ids[g, P - n:] = input_ids[g, :n]
+        pre_mask[g, P - n:] = 1
+    cache = DynamicCache(config=getattr(model, "config", None))
+    pre_pos = (pre_mask.cumsum(-1) - 1).clamp_min(0)
+    out = model(input_ids=pre_ids, attention_mask=pre_mask, position_ids=pre_pos, past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    layers = out.past_key_values.layers
+    return PromptPrefix([x.keys for x in layers], [x.values for x in layers], pre_mask, out.logits[:, -1:])
+
+
+def response_token_logps(
+    model: torch.nn.Module,
+    prefix: PromptPrefix,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) [N, L] of the responses of rows ``[prompt | response | pad]``,
+    run against ``prefix`` (one prompt per row, already repeated), in the full-row layout."""
     from transformers import DynamicCache
 
     N, L = input_ids.shape
-    G = group_size
     dev = input_ids.device
     plen = prompt_lens.tolist()
     rows_len = attention_mask.sum(-1).tolist()
-    heads = list(range(0, N, G))
-    P = max(plen[h] for h in heads)
     R = max(1, max(n - p for n, p in zip(rows_len, plen)))
-    # prompts, left-padded so every prompt ends at column P - 1
-    pre_ids = input_ids.new_zeros(len(heads), P)
-    pre_mask = attention_mask.new_zeros(len(heads), P)
-    for g, h in enumerate(heads):
-        pre_ids[g, P - plen[h]:] = input_ids[h, : plen[h]]
-        pre_mask[g, P - plen[h]:] = 1
     # responses, right-padded
     resp_ids = input_ids.new_zeros(N, R)
     resp_mask = attention_mask.new_zeros(N, R)
@@ -190,16 +257,12 @@ def shared_prefix_token_logps(
         resp_ids[i, :n] = input_ids[i, plen[i] : rows_len[i]]
         resp_mask[i, :n] = 1
     cache = DynamicCache(config=getattr(model, "config", None))
-    pre_pos = (pre_mask.cumsum(-1) - 1).clamp_min(0)
-    out = model(input_ids=pre_ids, attention_mask=pre_mask, position_ids=pre_pos, past_key_values=cache, use_cache=True,
-                logits_to_keep=1)
-    first = out.logits[:, -1:].repeat_interleave(G, dim=0)  # [N, 1, V]: predicts each response's first token
-    cache = out.past_key_values
-    cache.batch_repeat_interleave(G)
-    full_mask = torch.cat([pre_mask.repeat_interleave(G, dim=0), resp_mask], dim=-1)
+    for li, (k, v) in enumerate(zip(prefix.keys, prefix.values)):
+        cache.update(k, v, li)
+    full_mask = torch.cat([prefix.mask, resp_mask], dim=-1)
     pos = torch.tensor(plen, device=dev).unsqueeze(-1) + torch.arange(R, device=dev).unsqueeze(0)
     out = model(input_ids=resp_ids, attention_mask=full_mask, position_ids=pos, past_key_values=cache, use_cache=True)
-    logits = torch.cat([first, out.logits[:, :-1]], dim=1)  # [N, R, V]: position j predicts response token j
+    logits = torch.cat([prefix.first, out.logits[:, :-1]], dim=1)  # [N, R, V]: position j predicts response token j
     lp = selective_log_softmax(logits, resp_ids, chunk_tokens, temperature=temperature)  # [N, R]
     ent = entropy_from_logits(logits if entropy_grad else logits.detach(), chunk_tokens, temperature=temperature) if with_entropy else None
     # back to the full-row layout

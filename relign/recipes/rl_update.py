@@ -9,7 +9,10 @@ Karmarkar–Karp (``data.balance``), every rank running the same number of passe
 micro-batch runs in one of three layouts, all giving the same per-token log-probs:
 
 * ``shared``  rows padded, each group's prompt computed once and its KV cache reused by the
-              group's G responses (``shared_prefix_token_logps``; the fastest on CPU);
+              group's G responses (``shared_prefix_token_logps``; the fastest on CPU). A group
+              larger than the row budget is split over micro-batches: its prompt runs once, at
+              the first part, and its gradient goes back through the prompt once, after the
+              last (``GroupPrefix``);
 * ``padded``  rows right-padded to the micro-batch's longest row;
 * ``packed``  the micro-batch's sequences concatenated in one row with per-sequence position
               ids: no padding at all; transformers turns the position ids into varlen
@@ -38,7 +41,7 @@ from ..algorithms.kl import kl_estimate
 from ..algorithms.policy_losses import entropy_bonus_loss, gspo_loss, ppo_clip_loss, value_loss
 from ..algorithms.trpo import self_kl, surrogate_objective, token_kl, trpo_step
 from ..data.balance import micro_batch_plan
-from ..models.logprobs import shared_prefix_token_logps, token_logps
+from ..models.logprobs import PromptPrefix, prompt_prefix, response_token_logps, shared_prefix_token_logps, token_logps
 from ..optim import clip_gradients
 from ..rollout.batch import RolloutBatch
 
@@ -62,6 +65,36 @@ class MicroBatch:
     rows: torch.Tensor  # [n] long: rows of the batch
     weight: float = 1.0
     """0: a pass that only keeps this rank in step with the others (FSDP), it adds nothing."""
+    part: tuple[int, int] | None = None
+    """(i, k): the i-th of k parts of one group split over micro-batches (shared layout)."""
+
+    @property
+    def last_part(self) -> bool:
+        return self.part is not None and self.part[0] == self.part[1] - 1
+
+
+class GroupPrefix:
+    """The prompt of a group split over micro-batches. The first part runs the prompt once and
+    keeps its keys and values; every part's responses attend to detached copies (leaves), whose
+    gradients add up over the parts; ``finish`` then back-propagates the sum through the prompt,
+    once. The gradient equals that of the whole group in one pass (tested)."""
+
+    def __init__(self):
+        self.graph: PromptPrefix | None = None
+        self.leaves: PromptPrefix | None = None
+
+    def get(self, model, batch: RolloutBatch, rows: torch.Tensor) -> PromptPrefix:
+        if self.graph is None:
+            head = batch.rows(rows[:1])
+            self.graph = prompt_prefix(model, head["input_ids"], head["attention_mask"], head["prompt_lens"])
+            self.leaves = self.graph.leaves() if torch.is_grad_enabled() else self.graph
+        return self.leaves
+
+    def finish(self) -> None:
+        """After the group's last part: the prompt's backward (nothing to do without gradients)."""
+        if self.graph is not None and self.leaves is not self.graph:
+            self.graph.backward_from(self.leaves)
+        self.graph = self.leaves = None
 
 
 def plan(batch: RolloutBatch, rows: torch.Tensor, layout: Layout) -> list[MicroBatch]:
@@ -76,7 +109,13 @@ def plan(batch: RolloutBatch, rows: torch.Tensor, layout: Layout) -> list[MicroB
     mine = micro_batch_plan(sizes, ranks=distributed.world_size(), max_tokens=layout.max_tokens, max_items=max_items)
     mine = mine[distributed.rank()]
     smallest = min(range(len(sizes)), key=lambda i: (sizes[i], i))
-    return [MicroBatch(items[part].flatten()) if part else MicroBatch(items[smallest], weight=0.0) for part in mine]
+    out = [MicroBatch(items[part].flatten()) if part else MicroBatch(items[smallest], weight=0.0) for part in mine]
+    if G > 1 and layout.max_rows and G > layout.max_rows:
+        # one group per micro-batch (max_items = 1) is more rows than the budget: split it in k
+        # parts of at most max_rows (the same k on every rank: every rank runs the same passes)
+        k = math.ceil(G / layout.max_rows)
+        out = [MicroBatch(rows, m.weight, part=(i, k)) for m in out for i, rows in enumerate(m.rows.tensor_split(k))]
+    return out
 
 
 # --------------------------------------------------------------------------- forward passes
@@ -93,11 +132,18 @@ def _packed(batch: RolloutBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def forward_logps(model, batch: RolloutBatch, rows: torch.Tensor, layout: Layout, *, temperature: float,
-                  with_entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  with_entropy: bool = False, entropy_grad: bool = False, prefix: GroupPrefix | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of the rows, [n, L] in the batch's row layout, 0 outside
-    the response tokens."""
+    the response tokens. ``prefix``: the rows are a part of one group, whose prompt it holds."""
     L = batch.input_ids.shape[1]
     kw = dict(temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
+    if prefix is not None:
+        mb = batch.rows(rows)
+        pre = prefix.get(model, batch, rows).repeat(len(rows))
+        lp, ent = response_token_logps(model, pre, mb["input_ids"], mb["attention_mask"], mb["prompt_lens"], **kw)
+        on = mb["response_mask"]
+        return lp * on, ent * on if ent is not None else None
     if layout.kind == "shared" and layout.group_size > 1:
         mb = batch.rows(rows)
         lp, ent = shared_prefix_token_logps(model, mb["input_ids"], mb["attention_mask"], mb["prompt_lens"],
@@ -133,10 +179,13 @@ def score_logps(model, batch: RolloutBatch, micro: list[MicroBatch], layout: Lay
     """log pi(y_t) [N, L] of the whole batch on every rank: each rank scores its micro-batches,
     and the ranks' rows are summed together (each row belongs to exactly one rank)."""
     out = torch.zeros(batch.input_ids.shape, device=batch.input_ids.device)
+    prefix = GroupPrefix()
     for m in micro:
-        lp, _ = forward_logps(model, batch, m.rows, layout, temperature=temperature)
+        lp, _ = forward_logps(model, batch, m.rows, layout, temperature=temperature, prefix=prefix if m.part else None)
         if m.weight:
             out[m.rows] = lp
+        if m.last_part:
+            prefix.finish()
     distributed.reshard(model)  # a forward with no backward: see distributed.reshard
     return distributed.all_reduce_sum(out)
 
@@ -265,17 +314,20 @@ def update_policy(policy, optimizer, scheduler, params, batch: RolloutBatch, min
             continue
         normalizer = aggregate_count(mask[b_rows], loss_fn.agg, max_len=loss_fn.max_len)
         loss_sum = torch.zeros((), dtype=torch.float64, device=mask.device)  # stays on device: no sync per micro-batch
+        prefix = GroupPrefix()
         for m in plan(batch, b_rows, layout):
             mb_rows = m.rows
             mb_mask = mask[mb_rows]  # [n, L]
             logps, ent = forward_logps(policy, batch, mb_rows, layout, temperature=temperature, with_entropy=True,
-                                       entropy_grad=loss_fn.entropy_coef > 0)
+                                       entropy_grad=loss_fn.entropy_coef > 0, prefix=prefix if m.part else None)
             old = old_logps[mb_rows] if old_logps is not None else logps.detach()
             loss_tok, info = loss_fn(logps, old, advantages[mb_rows], mb_mask, entropy=ent,
                                      ref_logps=ref_logps[mb_rows] if ref_logps is not None else None,
                                      tis=tis[mb_rows] if tis is not None else None)
             loss = aggregate(loss_tok, mb_mask, loss_fn.agg, normalizer, max_len=loss_fn.max_len) * m.weight
             (loss * world).backward()  # FSDP averages gradients over ranks: make it their sum
+            if m.last_part:  # the group's prompt: its backward, once
+                prefix.finish()
             loss_sum += loss.detach().double()
             stats.add_masked("actor/entropy", ent.detach(), mb_mask, m.weight)
             stats.add_masked("actor/clip_frac", info["clipped"], mb_mask, m.weight)

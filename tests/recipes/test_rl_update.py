@@ -210,6 +210,10 @@ def test_layouts_same_with_kl_entropy_and_two_mini_batches(proto, batch):
     _assert_same(runs["packed"], runs["padded"])
     _assert_same(runs["shared"], runs["padded"])
     assert runs["padded"][2]["actor/kl"] > 0
+    # groups split over micro-batches (the prompt's gradient sent back once, after the last part)
+    split = _update(proto, batch, Layout("shared", group_size=G, max_rows=3), loss_fn, mini_batches=minis,
+                    advantages=adv, old_logps=old, ref_logps=ref, tis=tis)
+    _assert_same(split, runs["padded"])
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
@@ -225,6 +229,8 @@ def test_micro_batching_changes_nothing(proto, batch, agg):
         Layout("packed", max_tokens=biggest),
         Layout("packed", max_rows=3),
         Layout("shared", group_size=G, max_rows=G),  # one group per micro-batch
+        Layout("shared", group_size=G, max_rows=2),  # each group in two parts, its prompt run once
+        Layout("shared", group_size=G, max_rows=1),  # one row per micro-batch, the prompt still once per group
     ):
         assert len(plan(batch, torch.arange(batch.size), layout)) > 1
         _assert_same(_update(proto, batch, layout, loss_fn, advantages=adv, old_logps=old), one)
@@ -294,7 +300,7 @@ def test_simulated_ranks_sum_to_the_single_process_update(proto, batch, monkeypa
 @pytest.mark.parametrize("layout", [
     Layout("padded"), Layout("padded", max_tokens=40), Layout("packed", max_tokens=30, max_rows=3),
     Layout("padded", max_rows=1), Layout("shared", group_size=G), Layout("shared", group_size=G, max_tokens=60),
-    Layout("shared", group_size=G, max_rows=5),
+    Layout("shared", group_size=G, max_rows=5), Layout("shared", group_size=G, max_rows=3),
 ])
 def test_plan_covers_each_row_once_within_budget(batch, layout):
     rows = torch.arange(batch.size)
@@ -303,6 +309,12 @@ def test_plan_covers_each_row_once_within_budget(batch, layout):
     got = [r for m in micro for r in m.rows.tolist()]
     assert sorted(got) == list(range(batch.size))
     shared = layout.kind == "shared"
+    if shared and layout.max_rows and layout.max_rows < G:  # groups split in parts of <= max_rows, in order
+        k = -(-G // layout.max_rows)
+        assert [m.part for m in micro] == [(i, k) for _ in range(batch.size // G) for i in range(k)]
+        assert all(len(m.rows) <= layout.max_rows for m in micro)
+        assert [r for m in micro for r in m.rows.tolist()] == sorted(got)
+        return
     for m in micro:
         r = m.rows.tolist()
         if shared:  # whole groups, in order
@@ -319,6 +331,24 @@ def test_plan_covers_each_row_once_within_budget(batch, layout):
                 assert tokens <= layout.max_tokens
             if layout.max_rows:
                 assert len(r) <= max(layout.max_rows, G if shared else 1)
+
+
+def test_split_groups_score_like_whole_groups_and_run_each_prompt_once(proto, batch, monkeypatch):
+    """score_logps (reference / old log-probs, no gradient) over parts of groups, and the prompt
+    forward counted: once per group, not once per part."""
+    import relign.recipes.rl_update as ru
+
+    rows = torch.arange(batch.size)
+    whole = score_logps(proto, batch, plan(batch, rows, Layout("shared", group_size=G)), Layout("shared", group_size=G),
+                        temperature=1.0)
+    calls = []
+    real = ru.prompt_prefix
+    monkeypatch.setattr(ru, "prompt_prefix", lambda *a, **k: calls.append(1) or real(*a, **k))
+    layout = Layout("shared", group_size=G, max_rows=1)
+    micro = plan(batch, rows, layout)
+    split = score_logps(proto, batch, micro, layout, temperature=1.0)
+    assert len(micro) == batch.size and len(calls) == batch.size // G
+    torch.testing.assert_close(split, whole, atol=1e-5, rtol=0)
 
 
 def test_plan_of_a_mini_batch_keeps_its_rows(batch):
