@@ -124,6 +124,7 @@ def worker_relign(a: argparse.Namespace) -> dict:
     def on_log(step, metrics):  # relign.tracking.add_listener: every row the run logs, in process
         if "time/reference_s" in metrics:  # the step-0 row, logged right after the reference precompute
             box["ref_seconds"] = metrics["time/reference_s"]
+            box["ref_pairs"] = int(metrics.get("data/kept", 0))  # the training pairs it scored
             box["hwm_after_ref_mb"] = _proc_status_mb("VmHWM")
         if "perf/pairs_per_s" in metrics:
             rows.append(_step_row(loss=float(metrics["train/loss"]), grad_norm=float(metrics["train/grad_norm"]),
@@ -160,6 +161,7 @@ def worker_relign(a: argparse.Namespace) -> dict:
         "rows": rows,
         "train_call_seconds": total,
         "ref_precompute_seconds": box.get("ref_seconds") if a.mode == "precompute" else None,
+        "ref_precompute_pairs": box.get("ref_pairs", 0) if a.mode == "precompute" else 0,
         "rss_after_imports_mb": rss_after_imports,
         "peak_rss_after_ref_precompute_mb": box.get("hwm_after_ref_mb"),
         "ref_logps": ref_logps,
