@@ -46,6 +46,15 @@ class _Tok:
 PROMPTS = [[5, 17, 33, 2, 9], [101, 7], [250, 251, 3, 3, 3, 3, 3, 4, 80], [42]]
 
 
+def _assert_trainer_logps(model, groups, temperature: float) -> None:
+    """The engine's sampled log-probs equal what the trainer recomputes for the same tokens (1e-4)."""
+    prompts = [p for p, g in zip(PROMPTS, groups) for _ in g]
+    flat = [c for g in groups for c in g]
+    ref = trainer_logps(model, prompts, [c.token_ids for c in flat], temperature)
+    for c, r in zip(flat, ref):
+        torch.testing.assert_close(torch.tensor(c.logps), torch.tensor(r), atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
 def test_fast_decode_equals_the_models_forward(arch):
     model = _model(arch)
@@ -66,11 +75,7 @@ def test_fast_decode_equals_the_models_forward(arch):
     b = plain.generate(PROMPTS, params, seeds=[1, 2, 3, 4])
     assert [[c.token_ids for c in g] for g in a] == [[c.token_ids for c in g] for g in b]
     assert {c.finish_reason for g in a for c in g} == {"stop", "length"}
-    prompts = [p for p in PROMPTS for _ in range(3)]
-    flat = [c for g in a for c in g]
-    ref = trainer_logps(model, prompts, [c.token_ids for c in flat], 0.8)
-    for c, r in zip(flat, ref):
-        torch.testing.assert_close(torch.tensor(c.logps), torch.tensor(r), atol=1e-4, rtol=0)
+    _assert_trainer_logps(model, a, 0.8)
 
 
 def test_engine_follows_in_place_updates_of_a_fused_adamw():
@@ -86,11 +91,7 @@ def test_engine_follows_in_place_updates_of_a_fused_adamw():
     opt.step()
     out = engine.generate(PROMPTS, params, seeds=[0, 1, 2, 3])
     assert [[c.token_ids for c in g] for g in out] != [[c.token_ids for c in g] for g in before]  # the update mattered
-    prompts = [p for p in PROMPTS for _ in range(2)]
-    flat = [c for g in out for c in g]
-    ref = trainer_logps(model, prompts, [c.token_ids for c in flat], 1.0)
-    for c, r in zip(flat, ref):
-        torch.testing.assert_close(torch.tensor(c.logps), torch.tensor(r), atol=1e-4, rtol=0)
+    _assert_trainer_logps(model, out, 1.0)
 
 
 def test_bf16_fast_decode_close_to_forward():
