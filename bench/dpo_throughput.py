@@ -20,8 +20,9 @@ What is held identical (and checked at the end of every run):
     compared (digests), and so are the reference log-probs of every pair.
   * the batches: TRL reads the kept pairs through a sampler that yields exactly the order
     relign's ``StepSampler`` draws (same seed; a re-implementation checked against relign's
-    own), so every optimizer step and every micro-batch hold the same pairs. The per-step
-    losses and gradient norms are compared.
+    own), so every optimizer step holds the same pairs (relign then orders them by length
+    before cutting its micro-batches; the step's loss is the same). The per-step losses and
+    gradient norms are compared.
   * the objective and optimizer: ``-logsigmoid(beta * (chosen - rejected log-ratio))`` with
     summed response log-probs, averaged over the step's pairs (TRL: mean per micro-batch /
     grad accumulation = the same with equal micro-batches); ``torch.optim.AdamW(fused=True)``
@@ -383,18 +384,23 @@ def _prepare(model_dir: str, a: argparse.Namespace) -> dict:
         "untruncated_mean_chosen_tokens": mean([len(e.chosen_ids) - e.prompt_len for e in full]),
         "untruncated_mean_rejected_tokens": mean([len(e.rejected_ids) - e.prompt_len for e in full]),
     }
-    # positions each side's forward covers per timed step, padding included (same micro-batches on both sides)
+    # positions each side's forward covers per timed step, padding included: TRL's micro-batches
+    # in sampling order, relign's after it orders the step's pairs by length (pairs.by_positions)
+    from relign.recipes.pairs import by_positions
+
     pos = {"trl_full_rows": [], "relign_shared_prompt": [], "real_full_rows": [], "real_prompt_once": []}
     for s in range(a.steps):
         step = order[s * a.batch_size:(s + 1) * a.batch_size]
+        ours = by_positions(examples, step, share_prompt=True)
         t = rl = real = real1 = 0
         for m in range(0, len(step), a.micro_batch_size):
             mb = [examples[i] for i in step[m:m + a.micro_batch_size]]
             longest = max(max(len(e.chosen_ids), len(e.rejected_ids)) for e in mb)
             t += 2 * len(mb) * longest
-            P = max(e.prompt_len for e in mb)
-            R = max(max(len(e.chosen_ids), len(e.rejected_ids)) - e.prompt_len for e in mb)
-            rl += len(mb) * P + 2 * len(mb) * R
+            mine = [examples[i] for i in ours[m:m + a.micro_batch_size]]
+            P = max(e.prompt_len for e in mine)
+            R = max(max(len(e.chosen_ids), len(e.rejected_ids)) - e.prompt_len for e in mine)
+            rl += len(mine) * P + 2 * len(mine) * R
             real += sum(len(e.chosen_ids) + len(e.rejected_ids) for e in mb)
             real1 += sum(len(e.chosen_ids) + len(e.rejected_ids) - e.prompt_len for e in mb)
         for k, v in zip(pos, (t, rl, real, real1)):

@@ -46,9 +46,9 @@ KNOWN_TRAIN: dict[str, tuple[str, str]] = {
 
 @dataclass
 class DemoConfig:
-    steps: int = 400
+    steps: int = 500
     """GRPO steps; each samples group_size completions for each of prompts_per_step training problems."""
-    sft_steps: int = 1000
+    sft_steps: int = 1500
     """SFT warm-start steps (0 = no warm start: RL starts from the model as it is)."""
     model_size: str = "tiny"
     """Tiny random model built offline when demo.model is empty: micro, tiny, small or base."""

@@ -66,7 +66,7 @@ from ..optim import build_training, clip_gradients
 from ..rundir import open_run
 from ..tracking import Tracker, read_metrics
 from . import RunResult
-from .pairs import collate_pairs, collate_unpaired, load_examples, sequence_logps
+from .pairs import by_positions, collate_pairs, collate_unpaired, load_examples, sequence_logps
 
 LOSSES = ("dpo", "ipo", "dpop", "simpo", "orpo", "kto", "sdpo")
 REFERENCE_FREE = ("simpo", "orpo")
@@ -219,7 +219,7 @@ def score_examples(model, examples: list, *, paired: bool, batch_size: int, pad_
     out = torch.zeros((n, 2) if paired else (n,), device=device)
     was_training = model.training
     model.eval()
-    parts = list(chunks(list(range(rank, n, world)), batch_size))
+    parts = list(chunks(by_positions(examples, range(rank, n, world), share_prompt=share_prompt and paired), batch_size))
     # a pass over the whole data set before the first step: minutes on a real model, so it shows
     with banner.progress(len(parts), desc, enabled=progress) as bar:
         for idx in parts:
@@ -381,7 +381,7 @@ def train(cfg: Config) -> RunResult:
         exs = sets[name + "_kl"]
         total = torch.zeros(2, device=device)
         with torch.no_grad():
-            for part in chunks(idx, cfg.micro_batch_size):
+            for part in chunks(by_positions(exs, idx, share_prompt=False), cfg.micro_batch_size):
                 mb = collate_unpaired([exs[i] for i in part], pad_id, device)
                 pol = sequence_logps(policy, mb, share_prompt=False)[0]
                 ref = reference_logps(name + "_kl", part, mb)
@@ -436,7 +436,7 @@ def train(cfg: Config) -> RunResult:
         mine = shard(list(range(len(eval_set))), rank, world)
         z0 = kto_z0("eval", mine) if kto else None
         sums: dict[str, torch.Tensor] = {}
-        parts = list(chunks(mine, cfg.eval_batch_size))
+        parts = list(chunks(by_positions(eval_set, mine, share_prompt=share), cfg.eval_batch_size))
         with banner.progress(len(parts), f"{cfg.loss} eval", enabled=cfg.logging.progress, leave=False, delay=3.0) as bar:
             for part in parts:
                 losses, met, _ = losses_of("eval", part, z0)
@@ -466,7 +466,8 @@ def train(cfg: Config) -> RunResult:
         z0 = kto_z0("train", mine) if kto else None
         sums: dict[str, torch.Tensor] = {}
         tokens = 0.0
-        for part in chunks(mine, cfg.micro_batch_size):
+        # similar lengths in a micro-batch pad less; the order within a step changes only rounding
+        for part in chunks(by_positions(train_set, mine, share_prompt=share), cfg.micro_batch_size):
             losses, met, ntok = losses_of("train", part, z0)
             # one normalizer for the whole step on every rank: the summed gradient is that of
             # the mean loss over the global batch (x world: FSDP averages gradients over ranks)

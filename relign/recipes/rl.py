@@ -355,7 +355,8 @@ def _update(run: _Run, cfg: Config, step: int, batch, advantages, returns, old_l
                            max_backtracks=tr.max_backtracks, fvp_subsample=tr.fvp_subsample), 0
     stats, skipped = update_policy(run.policy, run.optimizer, run.scheduler, params, batch, mini, run.layout, run.loss_fn,
                                    advantages=advantages, old_logps=old_logps, ref_logps=ref_logps, tis=tis,
-                                   temperature=cfg.rollout.temperature, max_grad_norm=cfg.optim.max_grad_norm)
+                                   temperature=cfg.rollout.temperature, max_grad_norm=cfg.optim.max_grad_norm,
+                                   skip_inert=a.skip_zero_adv)
     if run.critic is not None:
         cstats = update_critic(run.critic, run.critic_opt, list(run.critic.parameters()), batch, mini, run.layout,
                                old_values=values, returns=returns, value_clip=cfg.critic.value_clip,

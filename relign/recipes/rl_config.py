@@ -132,6 +132,11 @@ class AlgorithmConfig:
     """Truncated importance-sampling cap between sampling and trainer log-probs (0 = off)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and draw more prompts to refill the batch."""
+    skip_zero_adv: bool = True
+    """Skip the forward and backward of groups whose advantage is 0 on every token (all rewards
+    equal under a group baseline) when the loss has no KL or entropy term: they add exactly
+    nothing to the gradient. The update is the same; actor/entropy, clip_frac and
+    logp_mismatch are then over the rows that trained. actor/zero_adv_frac logs their share."""
     max_sampling_rounds: int = 3
     """Dynamic sampling: most generation batches per step (a step that keeps no group is skipped)."""
     overlong: str = "none"

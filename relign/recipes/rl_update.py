@@ -242,6 +242,15 @@ class ActorLoss:
             loss = loss + self.entropy_coef * entropy_bonus_loss(entropy)
         return loss, info
 
+    def inert_rows(self, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[N] bool: rows whose loss is 0 with a 0 gradient, whatever the policy: A = 0 on every
+        response token, and no KL or entropy term. Both surrogates are A times a function of
+        the ratio (PPO-clip, dual clip, GSPO, times a TIS weight), so such a row adds nothing to
+        the update but the cost of its forward and backward."""
+        if self.kl_coef > 0 or self.entropy_coef > 0:
+            return torch.zeros(advantages.shape[0], dtype=torch.bool, device=advantages.device)
+        return (advantages * mask).abs().sum(-1) == 0
+
 
 class Stats:
     """Metric sums over this rank's tokens, reduced over ranks once at the end of the step."""
@@ -295,17 +304,38 @@ def _step(optimizer, scheduler, params, max_grad_norm: float, loss_finite: bool,
     return ok
 
 
+def _live_groups(rows: torch.Tensor, inert: torch.Tensor, G: int) -> torch.Tensor:
+    """``rows`` (whole groups of G) without the groups whose every row is inert."""
+    if G < 1 or len(rows) % G:
+        G = 1
+    groups = rows.view(-1, G)
+    return groups[~inert[groups].all(-1)].flatten()
+
+
+def _zero_grads(params: list[torch.Tensor]) -> None:
+    """An update whose every row was skipped: the gradient it would have computed, exactly 0
+    (AdamW still steps: its moments decay and the weight decay applies)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
 def update_policy(policy, optimizer, scheduler, params, batch: RolloutBatch, mini_batches: list[torch.Tensor],
                   layout: Layout, loss_fn: ActorLoss, *, advantages, old_logps=None, ref_logps=None, tis=None,
-                  temperature: float = 1.0, max_grad_norm: float = 1.0) -> tuple[Stats, int]:
+                  temperature: float = 1.0, max_grad_norm: float = 1.0, skip_inert: bool = False) -> tuple[Stats, int]:
     """One optimizer step per mini-batch (rows [m], whole groups): the clipped policy loss over
     this rank's micro-batches, normalized by the mini-batch's global count.
 
     ``old_logps`` None: the batch serves one update, so the log-probs of the sampling policy
-    are the current ones, detached (the ratio is 1 and its gradient exact). Returns the
-    metrics and the number of updates skipped by the NaN guard."""
+    are the current ones, detached (the ratio is 1 and its gradient exact). ``skip_inert``:
+    groups whose rows add nothing to the gradient (``ActorLoss.inert_rows``: all rewards equal
+    under a group baseline, and no KL or entropy term) are not run; the normalizer still counts
+    them, so the update is the same. Returns the metrics and the number of updates skipped by
+    the NaN guard."""
     mask, world = batch.response_mask, distributed.world_size()
     stats, skipped = Stats(), 0
+    inert = loss_fn.inert_rows(advantages, mask)
+    stats.add("actor/zero_adv_frac", float(inert.float().mean()) if len(inert) else 0.0)
     for b_rows in mini_batches:
         if len(b_rows) == 0:  # dynamic sampling kept fewer groups than there are mini-batches
             stats.add("actor/empty_updates", 1.0)
@@ -315,7 +345,11 @@ def update_policy(policy, optimizer, scheduler, params, batch: RolloutBatch, min
         normalizer = aggregate_count(mask[b_rows], loss_fn.agg, max_len=loss_fn.max_len)
         loss_sum = torch.zeros((), dtype=torch.float64, device=mask.device)  # stays on device: no sync per micro-batch
         prefix = GroupPrefix()
-        for m in plan(batch, b_rows, layout):
+        run_rows = _live_groups(b_rows, inert, batch.group_size) if skip_inert else b_rows
+        stats.add("actor/skipped_rows_frac", 1.0 - len(run_rows) / len(b_rows))
+        if len(run_rows) == 0:
+            _zero_grads(params)
+        for m in plan(batch, run_rows, layout) if len(run_rows) else []:
             mb_rows = m.rows
             mb_mask = mask[mb_rows]  # [n, L]
             logps, ent = forward_logps(policy, batch, mb_rows, layout, temperature=temperature, with_entropy=True,

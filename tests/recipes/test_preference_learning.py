@@ -147,3 +147,22 @@ def test_lora_reference_is_the_adapter_free_base(tiny_model_dir, pref_data, tmp_
     assert hist[1]["train/loss"] == pytest.approx(0.6931, abs=1e-4)
     assert hist[2]["train/loss"] < hist[1]["train/loss"]
     assert not (tmp_path / "reference_logps.safetensors").exists()
+
+
+def test_micro_batches_are_cut_by_the_positions_each_example_computes():
+    """by_positions: pairs ordered by prompt + 2 x longer response (shared prompt) or 2 x longer
+    row (full rows), examples by length; ties keep the index order."""
+    from relign.data.preference import PairExample, UnpairedExample
+    from relign.recipes.pairs import by_positions
+
+    def pair(p, c, r):
+        return PairExample(chosen_ids=[1] * (p + c), chosen_mask=[0] * p + [1] * c, rejected_ids=[1] * (p + r),
+                           rejected_mask=[0] * p + [1] * r, prompt_len=p)
+
+    pairs = [pair(10, 5, 1), pair(2, 3, 4), pair(20, 1, 1), pair(1, 12, 2)]
+    # shared: 10+2*5=20, 2+2*4=10, 20+2*1=22, 1+2*12=25; full rows: 2*15=30, 2*6=12, 2*21=42, 2*13=26
+    assert by_positions(pairs, range(4), share_prompt=True) == [1, 0, 2, 3]
+    assert by_positions(pairs, range(4), share_prompt=False) == [1, 3, 0, 2]
+    assert by_positions(pairs, [3, 2, 0], share_prompt=True) == [0, 2, 3]
+    ex = [UnpairedExample([1] * n, [1] * n, 0, True) for n in (5, 3, 5, 1)]
+    assert by_positions(ex, range(4), share_prompt=False) == [3, 1, 0, 2]

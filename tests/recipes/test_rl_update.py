@@ -236,6 +236,46 @@ def test_micro_batching_changes_nothing(proto, batch, agg):
         _assert_same(_update(proto, batch, layout, loss_fn, advantages=adv, old_logps=old), one)
 
 
+@pytest.mark.parametrize("layout", [Layout("shared", group_size=G), Layout("shared", group_size=G, max_rows=2),
+                                    Layout("packed"), Layout("padded", max_rows=3)], ids=["shared", "split", "packed", "padded"])
+def test_skipping_zero_advantage_groups_changes_nothing(proto, batch, layout, monkeypatch):
+    """Groups with A = 0 everywhere (all rewards equal) are not run, and the update is the same:
+    the same loss and gradients, also for a mini-batch where no group is left (zero gradients,
+    the optimizer still steps)."""
+    import relign.recipes.rl_update as ru
+
+    adv, old = _advantages(batch, seed=8), _old_logps(proto, batch, seed=9)
+    adv[2 * G : 3 * G] = 0.0  # group 2 (the second mini-batch) solved by every sample
+    loss_fn = ActorLoss(agg="seq-mean-token-sum-norm", max_len=32)  # Dr. GRPO's aggregation
+    minis = [torch.arange(0, 2 * G), torch.arange(2 * G, 3 * G)]
+    rows_run = []
+    real = ru.forward_logps
+    monkeypatch.setattr(ru, "forward_logps", lambda m, b, rows, *a, **k: rows_run.append(len(rows)) or real(m, b, rows, *a, **k))
+    full = _update(proto, batch, layout, loss_fn, mini_batches=minis, advantages=adv, old_logps=old)
+    assert sum(rows_run) == batch.size
+    rows_run.clear()
+    skip = _update(proto, batch, layout, loss_fn, mini_batches=minis, advantages=adv, old_logps=old, skip_inert=True)
+    assert sum(rows_run) == 2 * G  # the solved group's forward and backward did not run
+    _assert_same(skip, full)
+    assert all(g.abs().max() == 0 for g in skip[1][1].values())  # the empty mini-batch: an exact zero gradient
+    assert skip[2]["actor/zero_adv_frac"] == pytest.approx(G / batch.size)
+    assert skip[2]["actor/skipped_rows_frac"] == pytest.approx((0 + 1) / 2)  # mean over the two mini-batches
+    assert full[2]["actor/skipped_rows_frac"] == 0.0
+
+
+def test_zero_advantage_rows_still_train_under_a_kl_or_entropy_term(proto, batch):
+    adv, old = _advantages(batch, seed=8), _old_logps(proto, batch, seed=9)
+    adv[:G] = 0.0
+    mask = batch.response_mask
+    assert ActorLoss().inert_rows(adv, mask).tolist() == [True] * G + [False] * (batch.size - G)
+    for loss_fn in (ActorLoss(kl_coef=0.05), ActorLoss(entropy_coef=0.01)):
+        assert not loss_fn.inert_rows(adv, mask).any()
+        kw = dict(ref_logps=old - 0.1 * mask) if loss_fn.kl_coef else {}
+        _, _, stats = _update(proto, batch, Layout("shared", group_size=G), loss_fn, advantages=adv, old_logps=old,
+                              skip_inert=True, **kw)
+        assert stats["actor/skipped_rows_frac"] == 0.0
+
+
 def test_loss_is_the_hand_computed_surrogate(proto, batch):
     """actor/loss == token-mean of -min(rho A, clip(rho) A), computed naively from the log-probs."""
     adv, old = _advantages(batch, seed=8), _old_logps(proto, batch, seed=9)
