@@ -347,9 +347,10 @@ def update_policy(policy, optimizer, scheduler, params, batch: RolloutBatch, min
         prefix = GroupPrefix()
         run_rows = _live_groups(b_rows, inert, batch.group_size) if skip_inert else b_rows
         stats.add("actor/skipped_rows_frac", 1.0 - len(run_rows) / len(b_rows))
-        if len(run_rows) == 0:
+        micro = plan(batch, run_rows, layout) if len(run_rows) else []
+        if not micro:
             _zero_grads(params)
-        for m in plan(batch, run_rows, layout) if len(run_rows) else []:
+        for m in micro:
             mb_rows = m.rows
             mb_mask = mask[mb_rows]  # [n, L]
             logps, ent = forward_logps(policy, batch, mb_rows, layout, temperature=temperature, with_entropy=True,
