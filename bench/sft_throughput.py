@@ -3,6 +3,7 @@
     python bench/sft_throughput.py            # 2 modes x 2 libraries x 2 repeats x 10 steps, ~8-9 min on 2 cores
     python bench/sft_throughput.py --quick    # 2 modes x 2 libraries x 5 steps, ~2 min, a smoke test
     python bench/sft_throughput.py --steps 30 --repeats 3 --modes padded
+    python bench/sft_throughput.py --precision bf16 --out bench/results/sft_throughput_bf16.json
 
 Both libraries train the same tiny random Qwen2 model (``relign.models.tiny``, "small", ~10M
 parameters, fp32, CPU, sdpa attention) on the shipped chat file ``gsm8k_sft.jsonl`` with the
@@ -170,7 +171,7 @@ def worker_relign(a: argparse.Namespace) -> dict:
     run_dir = tempfile.mkdtemp(prefix="relign-sft-bench-")
     overrides = [
         f"model.path={a.model}",
-        "model.dtype=fp32",
+        f"model.dtype={'bf16-mixed' if a.precision == 'bf16' else 'fp32'}",
         "model.attn_implementation=sdpa",
         f"data.path={DATA}",
         f"data.max_length={a.max_length}",
@@ -259,7 +260,7 @@ def worker_trl(a: argparse.Namespace) -> dict:
         max_grad_norm=1.0,
         optim=a.trl_optim,
         seed=a.seed,
-        bf16=False,
+        bf16=a.precision == "bf16",  # fp32 weights, bf16 autocast: what relign's model.dtype=bf16-mixed does
         fp16=False,
         gradient_checkpointing=False,  # SFTConfig defaults to True; relign's default is False
         use_cpu=True,
@@ -394,7 +395,7 @@ def _spawn(lib: str, mode: str, a: argparse.Namespace, model_dir: str, tmp: str)
         sys.executable, os.path.abspath(__file__), "--worker", lib, "--mode", mode, "--model", model_dir,
         "--result", result, "--steps", str(a.steps), "--warmup", str(a.warmup), "--batch-size", str(a.batch_size),
         "--micro-batch-size", str(a.micro_batch_size), "--max-length", str(a.max_length), "--lr", str(a.lr),
-        "--seed", str(a.seed), "--trl-optim", a.trl_optim, "--threads", str(a.threads),
+        "--seed", str(a.seed), "--trl-optim", a.trl_optim, "--threads", str(a.threads), "--precision", a.precision,
     ]
     load_before = _wait_quiet(a.wait_quiet) if a.wait_quiet > 0 else None
     t0 = time.perf_counter()
@@ -473,6 +474,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads in every run (0: torch's default)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: fp32 weights, bf16 autocast on both sides (relign model.dtype=bf16-mixed, TRL bf16=True)")
     p.add_argument("--trl-optim", default="adamw_torch_fused", help="TRL optim name (adamw_torch_fused = TRL's default and relign's fused AdamW)")
     p.add_argument("--wait-quiet", type=float, default=30.0,
                    help="before each run, wait up to this many seconds for other processes to leave the CPU idle (0: don't)")
@@ -589,7 +592,8 @@ def main(argv: list[str] | None = None) -> None:
             "truncated_examples": ref["stats"].truncated,
             "steps": a.steps, "warmup_steps": a.warmup, "repeats": a.repeats, "batch_size": a.batch_size,
             "micro_batch_size": a.micro_batch_size, "grad_accum": a.batch_size // a.micro_batch_size,
-            "max_length": a.max_length, "lr": a.lr, "seed": a.seed, "dtype": "fp32", "device": "cpu",
+            "max_length": a.max_length, "lr": a.lr, "seed": a.seed,
+            "dtype": "fp32 weights, bf16 autocast" if a.precision == "bf16" else "fp32", "device": "cpu",
             "attn_implementation": "sdpa", "lr_schedule": "constant", "max_grad_norm": 1.0, "weight_decay": 0.0,
             "trl_optim": a.trl_optim,
             "trl_data_format": "conversational prompt/completion (prompt=[user], completion=[assistant]), completion_only_loss=True, "
@@ -612,7 +616,7 @@ def main(argv: list[str] | None = None) -> None:
     threads = runs[next(iter(runs))]["torch_threads"]
     lines = [
         f"SFT throughput: relign {relign.__version__} vs TRL {trl.__version__} SFTTrainer "
-        f"(tiny qwen2 'small', {n_params / 1e6:.1f}M params, fp32, CPU, {threads} torch threads, torch {torch.__version__}, "
+        f"(tiny qwen2 'small', {n_params / 1e6:.1f}M params, {out['setup']['dtype']}, CPU, {threads} torch threads, torch {torch.__version__}, "
         f"transformers {transformers.__version__})",
         f"batch {a.batch_size} = {a.batch_size // a.micro_batch_size} x micro-batch {a.micro_batch_size}, {a.steps} steps "
         f"({a.warmup} warmup untimed) x {a.repeats} repeat(s), max_length {a.max_length}, AdamW lr {a.lr} constant "

@@ -50,7 +50,9 @@ class ModelConfig:
     tokenizer: str = ""
     """Tokenizer folder or hub id; empty means the same as model.path."""
     dtype: str = "fp32"
-    """Parameter dtype: fp32 or bf16."""
+    """fp32; bf16-mixed (fp32 weights and optimizer state, bf16 arithmetic: what TRL's bf16=True does;
+    the choice for training in bf16); or bf16 (bf16 weights: for inference, or LoRA on a bf16 base;
+    full-weight AdamW updates below |w|/256 round to nothing)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     trust_remote_code: bool = False
@@ -478,13 +480,24 @@ def check_wandb(lg: LoggingConfig) -> None:
                               "'relign[wandb]' (or set logging.wandb=false)")
 
 
+DTYPE_CHOICES = ("fp32", "float32", "bf16", "bfloat16", "bf16-mixed")
+
+
 def check_common(cfg: Any) -> None:
     """The shared sections a recipe config has (model, data, optim, checkpoint, logging)."""
     from .optim import SCHEDULES
 
     m = getattr(cfg, "model", None)
     if isinstance(m, ModelConfig):
-        check_choice("model.dtype", m.dtype, ("fp32", "float32", "bf16", "bfloat16"))
+        check_choice("model.dtype", m.dtype, DTYPE_CHOICES)
+        if m.dtype in ("bf16", "bfloat16") and not m.lora.enabled and isinstance(getattr(cfg, "optim", None), OptimConfig):
+            import warnings
+
+            warnings.warn(
+                f"model.dtype={m.dtype} trains bf16 weights: an AdamW update smaller than about |w|/256 rounds to "
+                "nothing (at lr 1e-6 most do). model.dtype=bf16-mixed keeps fp32 weights and computes in bf16.",
+                stacklevel=2,
+            )
         if m.lora.enabled:
             check_positive(cfg, "model.lora.r", "model.lora.alpha")
             check_fraction(cfg, "model.lora.dropout")

@@ -14,16 +14,21 @@ from typing import Any
 import torch
 from torch.nn.modules.dropout import _DropoutNd
 
+from .precision import autocast_dtype, enable_autocast
+
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+# Parameter dtypes; bf16-mixed keeps fp32 parameters and computes in bf16 (models/precision.py).
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "bf16-mixed": torch.float32}
 
 
 def resolve_dtype(name: str) -> torch.dtype:
+    """The parameter dtype of ``model.dtype`` = ``name``."""
     if name not in DTYPES:
         from ..config import ConfigError
 
-        raise ConfigError(f"bad value for 'model.dtype': {name!r}; choose one of fp32, bf16")
+        raise ConfigError(f"bad value for 'model.dtype': {name!r}; choose one of fp32, bf16, bf16-mixed")
     return DTYPES[name]
 
 
@@ -280,6 +285,7 @@ def load_causal_lm(
     key: str = "model.path",
 ):
     """A Hugging Face causal LM in train mode on ``device``, with its dropout off (``disable_dropout``).
+    ``dtype`` bf16-mixed: fp32 parameters, forward under bf16 autocast (``models.precision``).
     ``key`` is the config key (or argument) that errors name."""
     from transformers import AutoModelForCausalLM
 
@@ -295,6 +301,8 @@ def load_causal_lm(
         local_only=local_only,
     )
     model.to(device)
+    if autocast_dtype(dtype) is not None:
+        enable_autocast(model, autocast_dtype(dtype))
     # before any LoRA wrapping, so the adapter's own lora.dropout stays what the user asked
     disable_dropout(model)
     if gradient_checkpointing:

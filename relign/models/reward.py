@@ -22,6 +22,7 @@ import torch
 
 from ..data.preference import encode_prompt_response
 from .loading import _check_source, disable_dropout, load_tokenizer, resolve_dtype, resolve_model_path
+from .precision import autocast_dtype, enable_autocast
 
 VERIFIER_TEMPLATE = "Problem:\n{problem}\n\nSolution:\n{solution}\n\nIs the answer correct? Answer Yes or No."
 """The verifier's question. Training data (``recipes.verifier``) and scoring both use it."""
@@ -80,7 +81,10 @@ def load_reward_model(path: str, *, dtype: str = "fp32", attn_implementation: st
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    return model.to(device).train()
+    model.to(device)
+    if autocast_dtype(dtype) is not None:
+        enable_autocast(model, autocast_dtype(dtype))
+    return model.train()
 
 
 def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

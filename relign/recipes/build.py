@@ -17,6 +17,7 @@ from .. import distributed
 from ..config import ConfigError, VllmConfig
 from ..envs.tasks import build_task
 from ..models.loading import apply_lora, load_causal_lm, resolve_model_path
+from ..models.precision import compute_dtype
 from ..models.value import ValueModel
 from ..tracking import Tracker
 
@@ -98,7 +99,7 @@ def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows:
                                   f"max_position_embeddings={limit}")
             length = limit
         engine = VLLMEngine(resolve_model_path(m.path), tokenizer, eos_token_ids=eos_token_ids(tokenizer, policy),
-                            max_model_len=length, dtype=next(policy.parameters()).dtype,
+                            max_model_len=length, dtype=compute_dtype(policy),
                             max_num_seqs=min(max_batch_rows, rows) if rows > 0 else max_batch_rows,
                             seed=seed, settings=vllm, tokenizer_path=resolve_model_path(m.tokenizer or m.path),
                             trust_remote_code=m.trust_remote_code, key=key)

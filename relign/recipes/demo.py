@@ -61,7 +61,7 @@ class DemoConfig:
     threads: int = 0
     """CPU threads for torch (0 = torch's default: every core). 1 = one core, for a machine that is busy with other work."""
     dtype: str = "fp32"
-    """Parameter dtype of every stage: fp32, or bf16 (a real model on a GPU)."""
+    """model.dtype of every stage: fp32, or bf16-mixed (fp32 weights, bf16 arithmetic: a real model on a GPU)."""
     engine: str = "hf"
     """Inference engine of GRPO's rollouts and of the evals: hf (built in) or vllm (pip install "relign[vllm]")."""
     # ---- arith problems
@@ -129,8 +129,8 @@ def _check(cfg: Config) -> None:
         raise ConfigError("demo.steps and demo.eval_samples must be >= 1; demo.sft_steps, demo.eval_every, demo.threads >= 0")
     if d.group_size < 2 or d.prompts_per_step < 1 or d.sft_batch_size < 1:
         raise ConfigError("demo.group_size must be >= 2 (GRPO compares samples of a problem); prompts_per_step, sft_batch_size >= 1")
-    if d.dtype not in ("fp32", "bf16"):
-        raise ConfigError(f"bad value for 'demo.dtype': {d.dtype!r}; choose one of fp32, bf16")
+    if d.dtype not in ("fp32", "bf16", "bf16-mixed"):
+        raise ConfigError(f"bad value for 'demo.dtype': {d.dtype!r}; choose one of fp32, bf16, bf16-mixed")
     from .build import ENGINES
 
     check_choice("demo.engine", d.engine, ENGINES)

@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..models.precision import autocast_of
+
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
@@ -81,6 +83,10 @@ class FastDecoder:
         """tokens, positions [R]; mask_bias [R, L] additive (0 or -inf) over the cache's columns
         after this token is written; ``cache``: the engine's ``DynamicCache`` of ``GrowingLayer``s.
         Returns the next-token logits [R, V]."""
+        with autocast_of(self.model):  # model.dtype=bf16-mixed: compute as the model's forward does
+            return self._step(tokens, positions, mask_bias, cache)
+
+    def _step(self, tokens, positions, mask_bias, cache) -> torch.Tensor:
         R, H, Hkv, D = tokens.shape[0], self.H, self.Hkv, self.D
         g = H // Hkv
         h = self.inner.embed_tokens(tokens)  # [R, hidden]
