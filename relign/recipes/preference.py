@@ -263,6 +263,72 @@ def save_reference_cache(path: Path, tensors: dict[str, torch.Tensor], fingerpri
     os.replace(tmp, path)
 
 
+def _reference(cfg: Config, policy, sets: dict[str, list], *, run_dir: Path, resuming: bool, load: dict, share: bool,
+               pad_id: int, device) -> tuple[torch.nn.Module | None, dict[str, torch.Tensor], float]:
+    """(reference model or None, cached reference log-probs per set, seconds spent computing them).
+
+    ``reference=precompute`` (the default): each set's log-probs once, before the first update,
+    saved in the run directory (read back when its fingerprint matches). ``online``: a frozen
+    reference model, or none under LoRA (the policy with its adapter off is the reference)."""
+    m = cfg.model
+    ref_key = "ref_model" if cfg.ref_model else "model.path"  # the key a load error names
+    if cfg.loss in REFERENCE_FREE:
+        return None, {}, 0.0
+    if cfg.reference == "precompute":
+        fp = _fingerprint(cfg, sets)
+        cached = load_reference_cache(run_dir / REF_FILE, fp)
+        if cached is not None:
+            return None, {k: v.to(device) for k, v in cached.items()}, 0.0
+        # the starting policy is the reference unless another model is named; on resume
+        # (cache lost) the policy has moved, so the reference is loaded from its path
+        t_ref = time.perf_counter()
+        scorer = policy
+        if cfg.ref_model or resuming:
+            scorer = load_causal_lm(cfg.ref_model or m.path, key=ref_key, **load)
+        ref_cache = {}
+        for name, exs in sets.items():
+            if exs:
+                ref_cache[name] = score_examples(scorer, exs, paired=cfg.loss != "kto", batch_size=cfg.eval_batch_size,
+                                                 pad_id=pad_id, device=device, share_prompt=share,
+                                                 progress=cfg.logging.progress, desc=f"{cfg.loss} reference ({name})")
+        del scorer
+        ref_seconds = time.perf_counter() - t_ref
+        if distributed.is_main():
+            save_reference_cache(run_dir / REF_FILE, ref_cache, fp)
+        return None, ref_cache, ref_seconds
+    if not m.lora.enabled or cfg.ref_model:
+        return load_causal_lm(cfg.ref_model or m.path, key=ref_key, **load).eval().requires_grad_(False), {}, 0.0
+    return None, {}, 0.0
+
+
+def _add_sums(sums: dict[str, torch.Tensor], losses: torch.Tensor, met: dict[str, torch.Tensor]) -> None:
+    """Accumulate a micro-batch's per-pair sums (detached) into the step's."""
+    for k, v in {"loss_sum": losses.detach().sum(), **met}.items():
+        sums[k] = sums[k] + v.detach() if k in sums else v.detach().clone()
+
+
+# Metric names of the loss functions' per-pair values, where they differ from the logged ones.
+METRIC_NAMES = {"margins": "rewards/margins", "accuracy": "rewards/accuracy", "penalty": "dpop/penalty",
+                "log_odds_ratio": "orpo/log_odds_ratio"}
+
+
+def _average(sums: dict[str, torch.Tensor], n: float, prefix: str, *, kto: bool, device) -> dict[str, float]:
+    """Average the per-pair sums over the global batch (all ranks): ``n`` pairs here; KTO's
+    rewards over their own class's count."""
+    keys = sorted(sums)
+    vec = distributed.all_reduce_sum(torch.stack([sums[k].float() for k in keys] + [torch.tensor(n, device=device)]))
+    out = {}
+    for k, v in zip(keys, vec[:-1].tolist()):
+        if k.startswith("count/"):
+            continue
+        denom = vec[-1].item()
+        if kto and k.startswith("rewards/"):
+            denom = vec[keys.index("count/" + k.split("/")[1].removesuffix("_sum"))].item()
+        name = k.removesuffix("_sum")
+        out[prefix + METRIC_NAMES.get(name, name)] = v / max(denom, 1.0)
+    return out
+
+
 # --------------------------------------------------------------------------- training
 
 
@@ -304,7 +370,6 @@ def train(cfg: Config) -> RunResult:
     )
     banner.dry_run("dpo", cfg, **run_facts)  # --dry-run stops here, before any weights are read
     load = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code, device=device)
-    ref_key = "ref_model" if cfg.ref_model else "model.path"  # the key a load error names
     policy = load_causal_lm(m.path, gradient_checkpointing=m.gradient_checkpointing, **load)
     if m.lora.enabled:
         policy = apply_lora(policy, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout, target_modules=m.lora.target_modules)
@@ -313,35 +378,9 @@ def train(cfg: Config) -> RunResult:
     share = cfg.share_prompt and not kto
 
     # ---- reference log-probs: once, before the first update, cached in the run directory
-    ref_model = None
-    ref_cache: dict[str, torch.Tensor] = {}
-    ref_seconds = 0.0
     ckpt = resolve_resume(cfg.resume, run_dir)
-    if needs_ref and cfg.reference == "precompute":
-        fp = _fingerprint(cfg, sets)
-        cached = load_reference_cache(run_dir / REF_FILE, fp)
-        if cached is not None:
-            ref_cache = {k: v.to(device) for k, v in cached.items()}
-        else:
-            # the starting policy is the reference unless another model is named; on resume
-            # (cache lost) the policy has moved, so the reference is loaded from its path
-            t_ref = time.perf_counter()
-            scorer = policy
-            if cfg.ref_model or ckpt is not None:
-                scorer = load_causal_lm(cfg.ref_model or m.path, key=ref_key, **load)
-            for name, exs in sets.items():
-                if exs:
-                    ref_cache[name] = score_examples(scorer, exs, paired=not kto, batch_size=cfg.eval_batch_size,
-                                                     pad_id=pad_id, device=device, share_prompt=share,
-                                                     progress=cfg.logging.progress, desc=f"{cfg.loss} reference ({name})")
-            del scorer
-            ref_seconds = time.perf_counter() - t_ref
-            if distributed.is_main():
-                save_reference_cache(run_dir / REF_FILE, ref_cache, fp)
-    elif needs_ref and not m.lora.enabled:
-        ref_model = load_causal_lm(cfg.ref_model or m.path, key=ref_key, **load).eval().requires_grad_(False)
-    elif needs_ref and cfg.ref_model:
-        ref_model = load_causal_lm(cfg.ref_model, key=ref_key, **load).eval().requires_grad_(False)
+    ref_model, ref_cache, ref_seconds = _reference(cfg, policy, sets, run_dir=run_dir, resuming=ckpt is not None, load=load,
+                                                   share=share, pad_id=pad_id, device=device)
 
     if ckpt is not None:
         load_model_weights(policy, ckpt)
@@ -413,23 +452,6 @@ def train(cfg: Config) -> RunResult:
         out["logps/chosen_sum"], out["logps/rejected_sum"] = pc.detach().sum(), pr.detach().sum()
         return losses, out, float(mb["attention_mask"].sum())
 
-    def finish(sums: dict[str, torch.Tensor], n: float, prefix: str) -> dict[str, float]:
-        """Average the per-pair sums over the global batch (all ranks)."""
-        keys = sorted(sums)
-        vec = distributed.all_reduce_sum(torch.stack([sums[k].float() for k in keys] + [torch.tensor(n, device=device)]))
-        out = {}
-        for k, v in zip(keys, vec[:-1].tolist()):
-            if k.startswith("count/"):
-                continue
-            denom = vec[-1].item()
-            if kto and k.startswith("rewards/"):
-                denom = vec[keys.index("count/" + k.split("/")[1].removesuffix("_sum"))].item()
-            name = k.removesuffix("_sum")
-            name = {"margins": "rewards/margins", "accuracy": "rewards/accuracy", "penalty": "dpop/penalty",
-                    "log_odds_ratio": "orpo/log_odds_ratio"}.get(name, name)
-            out[prefix + name] = v / max(denom, 1.0)
-        return out
-
     @torch.no_grad()
     def evaluate() -> dict[str, float]:
         policy.eval()
@@ -440,12 +462,11 @@ def train(cfg: Config) -> RunResult:
         with banner.progress(len(parts), f"{cfg.loss} eval", enabled=cfg.logging.progress, leave=False, delay=3.0) as bar:
             for part in parts:
                 losses, met, _ = losses_of("eval", part, z0)
-                for k, v in {"loss_sum": losses.sum(), **met}.items():
-                    sums[k] = sums.get(k, torch.zeros((), device=device)) + v.detach()
+                _add_sums(sums, losses, met)
                 bar.update()
         policy.train()
         distributed.reshard(policy)
-        return finish(sums, float(len(mine)), "eval/")
+        return _average(sums, float(len(mine)), "eval/", kto=kto, device=device)
 
     lg = cfg.logging
     bar = ("train/loss", "train/rewards/accuracy", "train/rewards/margins", "perf/pairs_per_s") if not kto else \
@@ -473,8 +494,7 @@ def train(cfg: Config) -> RunResult:
             # the mean loss over the global batch (x world: FSDP averages gradients over ranks)
             (losses.sum() / n_global * world).backward()
             tokens += ntok
-            for k, v in {"loss_sum": losses.detach().sum(), **met}.items():
-                sums[k] = sums.get(k, torch.zeros((), device=device)) + v.detach()
+            _add_sums(sums, losses, met)
         grad_norm = clip_gradients(params, o.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -483,7 +503,7 @@ def train(cfg: Config) -> RunResult:
 
         seconds = time.perf_counter() - t0
         tokens = distributed.all_reduce_sum(torch.tensor(tokens, device=device)).item()
-        metrics = finish(sums, float(len(mine)), "train/")
+        metrics = _average(sums, float(len(mine)), "train/", kto=kto, device=device)
         metrics.update({"train/grad_norm": grad_norm, "train/lr": lr,
                         "train/epoch": sampler.epoch + sampler.position / max(1, sampler.n),
                         "perf/tokens_per_s": tokens / max(seconds, 1e-9), "perf/pairs_per_s": n_global / max(seconds, 1e-9)})
