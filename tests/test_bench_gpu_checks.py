@@ -1,0 +1,27 @@
+"""bench/gpu_checks.py, the GPU checks of issue 15, runs here in its --smoke shape, so that the
+script a GPU session runs in one command has not rotted (it drives relign's public API only)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from .conftest import REPO
+
+
+def test_gpu_checks_smoke_on_cpu(tmp_path):
+    spec = importlib.util.spec_from_file_location("gpu_checks", REPO / "bench" / "gpu_checks.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "gpu.json"
+    mod.main(["--smoke", "--out", str(out)])
+    res = json.loads(out.read_text())
+    by = {(r["check"], r.get("mode")): r for r in res["results"]}
+    assert set(by) == {("sft", "padded"), ("sft", "packed"), ("dpo", None), ("grpo", None), ("decode", None)}
+    assert by[("sft", "padded")]["tokens_per_s"] > 0 and by[("sft", "packed")]["tokens_per_s"] > 0
+    assert by[("dpo", None)]["pairs_per_s"] > 0 and by[("dpo", None)]["reference_precompute_s"] > 0
+    assert {"rollout", "reference", "update", "step"} <= set(by[("grpo", None)]["seconds"])
+    decode = by[("decode", None)]
+    assert decode["tokens_per_s"] > 0 and decode["rows"] == 4
+    if res["device"] == "cpu":  # no peak figures for a CPU: no MFU, no bound
+        assert decode["bound_tokens_per_s"] is None and by[("sft", "padded")]["mfu"] is None
