@@ -269,11 +269,75 @@ def _evaluate(name: str, model_path: str, data: dict[str, Any], cfg: Config, dev
 # --------------------------------------------------------------------------- the pipeline
 
 
+def _stage_configs(cfg: Config, data: dict[str, Any], run_dir: Path, model_spec: str, *, run_sft: bool, max_new: int,
+                   logging: dict[str, Any]):
+    """(sft.Config, rl.Config) of the two training stages, with the user's demo.*_overrides,
+    each checked now: a bad setting of a stage stops the demo before the stages before it ran."""
+    from . import rl, sft
+
+    d = cfg.demo
+    tiny = not d.model
+    sft_lr = d.sft_lr or (2e-3 if tiny else 1e-5)
+    rl_lr = d.lr or (1e-4 if tiny else 1e-6)
+    sft_cfg = _stage_config(sft.Config, {
+        "model.path": model_spec, "model.dtype": d.dtype, "data.path": data["sft"], "data.chat_template": True,
+        "data.max_length": 512 if tiny else 2048, "max_steps": d.sft_steps, "batch_size": d.sft_batch_size,
+        "micro_batch_size": d.sft_batch_size if tiny else min(4, d.sft_batch_size), "optim.lr": sft_lr,
+        "optim.warmup_ratio": 0.05, "seed": d.seed, "device": cfg.device, "run_dir": str(run_dir / "sft"), **logging,
+    }, d.sft_overrides, "sft")
+    rl_cfg = _stage_config(rl.Config, {
+        "model.path": model_spec, "model.dtype": d.dtype, "task.name": data["spec"], "task.path": data["train"],
+        "task.split": data["split"], "task.chat": True, "task.reward_workers": data["reward_workers"],
+        "rollout.n": d.group_size, "rollout.max_new_tokens": max_new, "rollout.engine": d.engine,
+        # a learning rate for the model's scale; warmup, and a cosine decay that keeps what was learned
+        "optim.lr": rl_lr, "optim.warmup_steps": max(1, d.steps // 10), "optim.schedule": "cosine",
+        "max_steps": d.steps, "prompts_per_step": d.prompts_per_step, "micro_batch_size": d.group_size * max(1, 64 // d.group_size),
+        "eval.every": d.eval_every, "eval.path": data["test"], "eval.max_rows": d.test_problems, "eval.n": d.eval_samples,
+        "eval.temperature": 1.0, "seed": d.seed, "device": cfg.device, "run_dir": str(run_dir / "rl"), **logging,
+    }, d.rl_overrides, "rl")
+    for stage, check, stage_cfg in (("sft", sft._check, sft_cfg), ("rl", rl._check, rl_cfg)):
+        if stage == "sft" and not run_sft:
+            continue
+        try:
+            check(stage_cfg)
+        except ConfigError as e:
+            raise ConfigError(f"the demo's {stage} stage (demo.* settings and demo.{stage}_overrides): {e}") from None
+    return sft_cfg, rl_cfg
+
+
+def _write_summary(cfg: Config, run_dir: Path, data: dict[str, Any], device, *, before: dict[str, float],
+                   after: dict[str, float], seconds: dict[str, float], total: float, start_model: str, final_model: str,
+                   sft_ran: bool) -> None:
+    """demo.json, the before/after table on stdout, and report.html."""
+    import torch
+
+    from ..checkpoint import atomic_write_text
+
+    d = cfg.demo
+    summary = {
+        "before": before, "after": after, "seconds": round(total, 1),
+        "stage_seconds": {k: round(v, 1) for k, v in seconds.items()},
+        "eval": {"problems": len(data["records"]), "samples": d.eval_samples, "temperature": 1.0,
+                 "accuracy": "mean correctness of all samples at temperature 1 (= pass@1); greedy_accuracy: one greedy answer each"},
+        "model": d.model or f"tiny:{d.model_size}", "task": d.task, "seed": d.seed, "device": str(device), "engine": d.engine,
+        "threads": torch.get_num_threads(), "before_model": start_model, "after_model": final_model,
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+    }
+    atomic_write_text(run_dir / "demo.json", json.dumps(summary, indent=2) + "\n")
+    print(format_table(summary, sft_ran=sft_ran))
+    try:
+        from ..report import refresh_report
+    except ImportError:  # the report module is optional here
+        refresh_report = None
+    if refresh_report is not None and (path := refresh_report(run_dir)) is not None:
+        print(f"report: {path}")
+
+
 def train(cfg: Config) -> RunResult:
     import torch
 
     from .. import distributed
-    from ..checkpoint import atomic_write_text, list_checkpoints
+    from ..checkpoint import list_checkpoints
     from ..models.loading import resolve_device, resolve_model_path
     from ..rundir import open_run
     from . import rl, sft
@@ -294,8 +358,6 @@ def train(cfg: Config) -> RunResult:
     run_dir = open_run(cfg, "demo")
     cfg.run_dir = str(run_dir)
     tiny = not d.model
-    sft_lr = d.sft_lr or (2e-3 if tiny else 1e-5)
-    rl_lr = d.lr or (1e-4 if tiny else 1e-6)
     max_new = d.max_new_tokens or (64 if d.task == ARITH else 512)
     lg = cfg.logging
     logging = {"logging.progress": lg.progress, "logging.tensorboard": lg.tensorboard, "logging.wandb": lg.wandb,
@@ -308,29 +370,8 @@ def train(cfg: Config) -> RunResult:
     data = _sources(cfg, run_dir)
     # The two training stages' configs, built (and the user's overrides checked) before any training.
     run_sft = bool(d.sft_steps and data["sft"])
-    sft_cfg = _stage_config(sft.Config, {
-        "model.path": model_spec, "model.dtype": d.dtype, "data.path": data["sft"], "data.chat_template": True,
-        "data.max_length": 512 if tiny else 2048, "max_steps": d.sft_steps, "batch_size": d.sft_batch_size,
-        "micro_batch_size": d.sft_batch_size if tiny else min(4, d.sft_batch_size), "optim.lr": sft_lr,
-        "optim.warmup_ratio": 0.05, "seed": d.seed, "device": cfg.device, "run_dir": str(run_dir / "sft"), **logging,
-    }, d.sft_overrides, "sft")
-    rl_cfg = _stage_config(rl.Config, {
-        "model.path": model_spec, "model.dtype": d.dtype, "task.name": data["spec"], "task.path": data["train"],
-        "task.split": data["split"], "task.chat": True, "task.reward_workers": data["reward_workers"],
-        "rollout.n": d.group_size, "rollout.max_new_tokens": max_new, "rollout.engine": d.engine,
-        # a learning rate for the model's scale; warmup, and a cosine decay that keeps what was learned
-        "optim.lr": rl_lr, "optim.warmup_steps": max(1, d.steps // 10), "optim.schedule": "cosine",
-        "max_steps": d.steps, "prompts_per_step": d.prompts_per_step, "micro_batch_size": d.group_size * max(1, 64 // d.group_size),
-        "eval.every": d.eval_every, "eval.path": data["test"], "eval.max_rows": d.test_problems, "eval.n": d.eval_samples,
-        "eval.temperature": 1.0, "seed": d.seed, "device": cfg.device, "run_dir": str(run_dir / "rl"), **logging,
-    }, d.rl_overrides, "rl")
-    for stage, check, stage_cfg in (("sft", sft._check, sft_cfg), ("rl", rl._check, rl_cfg)):
-        if stage == "sft" and not run_sft:
-            continue
-        try:  # a bad setting of a stage stops the demo now, not after the stages before it ran
-            check(stage_cfg)
-        except ConfigError as e:
-            raise ConfigError(f"the demo's {stage} stage (demo.* settings and demo.{stage}_overrides): {e}") from None
+    sft_cfg, rl_cfg = _stage_configs(cfg, data, run_dir, model_spec, run_sft=run_sft, max_new=max_new,
+                                    logging=logging)
     banner.start("demo", cfg, run_dir=run_dir, device=device, model_path=model_spec, dtype=d.dtype,
                  data=(f"arith: {d.train_problems:,} training problems, {d.test_problems:,} held-out" if d.task == ARITH
                        else f"{d.task}: training prompts from {data['train']}, held-out problems from {data['test']}"),
@@ -397,23 +438,8 @@ def train(cfg: Config) -> RunResult:
     total = time.perf_counter() - t_start
 
     # ---- 7. table, demo.json, report.html
-    summary = {
-        "before": before, "after": after, "seconds": round(total, 1),
-        "stage_seconds": {k: round(v, 1) for k, v in seconds.items()},
-        "eval": {"problems": len(data["records"]), "samples": d.eval_samples, "temperature": 1.0,
-                 "accuracy": "mean correctness of all samples at temperature 1 (= pass@1); greedy_accuracy: one greedy answer each"},
-        "model": d.model or f"tiny:{d.model_size}", "task": d.task, "seed": d.seed, "device": str(device), "engine": d.engine,
-        "threads": torch.get_num_threads(), "before_model": start_model, "after_model": final_model,
-        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
-    }
-    atomic_write_text(run_dir / "demo.json", json.dumps(summary, indent=2) + "\n")
-    print(format_table(summary, sft_ran=start_model != model_spec))
-    try:
-        from ..report import refresh_report
-    except ImportError:  # the report module is optional here
-        refresh_report = None
-    if refresh_report is not None and (path := refresh_report(run_dir)) is not None:
-        print(f"report: {path}")
+    _write_summary(cfg, run_dir, data, device, before=before, after=after, seconds=seconds, total=total,
+                   start_model=start_model, final_model=final_model, sft_ran=start_model != model_spec)
     metrics = {f"before/{k}": v for k, v in before.items()} | {f"after/{k}": v for k, v in after.items()}
     banner.end("demo", run_dir=run_dir, seconds=time.perf_counter() - t_start, metrics=metrics, resumable=False,
                checkpoint=final_model, keys=("before/accuracy", "after/accuracy", "before/greedy_accuracy",

@@ -79,3 +79,22 @@ def test_preference_two_ranks_match_one(tiny_model_dir, tmp_path, loss):
     assert [s for s, _ in a] == [s for s, _ in b] == [1, 2]
     for (_, la), (_, lb) in zip(a, b):
         _assert_close(la, lb)
+
+
+def test_bf16_mixed_two_ranks_match_one(tiny_model_dir, data, tmp_path):
+    """model.dtype=bf16-mixed under FSDP2: the sharded fp32 weights are gathered and the
+    forward runs under autocast on each rank. 2 ranks train like 1 to bf16 rounding (the sums
+    of bf16 products differ in order), and the checkpoint holds fp32 weights."""
+    from safetensors.torch import load_file
+
+    common = ("max_steps=3", "batch_size=4", "micro_batch_size=1", "packing=false", "model.dtype=bf16-mixed")
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    run_cli(*_args(tiny_model_dir, data, single, *common))
+    proc = _torchrun(_args(tiny_model_dir, data, multi, *common))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = _losses(single), _losses(multi)
+    assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3]
+    for (_, la), (_, lb) in zip(a, b):
+        assert la[0] == pytest.approx(lb[0], abs=2e-3) and la[1] == pytest.approx(lb[1], rel=2e-2)
+    weights = load_file(str(multi / "checkpoints" / "step_3" / "model.safetensors"))
+    assert {str(w.dtype) for w in weights.values()} == {"torch.float32"}
