@@ -329,6 +329,90 @@ def _average(sums: dict[str, torch.Tensor], n: float, prefix: str, *, kto: bool,
     return out
 
 
+class PreferenceLosses:
+    """The per-pair (per-example for KTO) losses of the policy on the rows of a data set, with
+    their reference log-probs: cached (``reference=precompute``), from a frozen reference
+    model, or from the policy with its LoRA adapter off."""
+
+    def __init__(self, cfg: Config, policy, sets: dict[str, list], *, ref_model, ref_cache: dict[str, torch.Tensor],
+                 pad_id: int, device):
+        self.cfg, self.policy, self.sets = cfg, policy, sets
+        self.ref_model, self.ref_cache, self.pad_id, self.device = ref_model, ref_cache, pad_id, device
+        self.kto = cfg.loss == "kto"
+        self.share = cfg.share_prompt and not self.kto
+
+    @torch.no_grad()
+    def reference_logps(self, name: str, idx: list[int], mb: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Reference summed log-probs of these rows: cached, or computed now (``reference=online``)."""
+        if self.cfg.loss in REFERENCE_FREE:
+            return None
+        if self.ref_cache:
+            r = self.ref_cache[name][idx]
+            return r.flatten() if r.dim() == 2 else r  # pairs: interleaved like the rows
+        share = self.share and "kl" not in name
+        if self.ref_model is not None:
+            return sequence_logps(self.ref_model, mb, share_prompt=share)[0]
+        with self.policy.disable_adapter():  # LoRA: the reference is the base model, no second copy
+            out = sequence_logps(self.policy, mb, share_prompt=share)[0]
+        distributed.reshard(self.policy)  # a forward with no backward (see distributed.reshard)
+        return out
+
+    def kto_z0(self, name: str, idx: list[int]) -> torch.Tensor:
+        """KTO's reference point from this step's mismatched pairs, the same on every rank."""
+        exs, dev = self.sets[name + "_kl"], self.device
+        total = torch.zeros(2, device=dev)
+        with torch.no_grad():
+            for part in chunks(by_positions(exs, idx, share_prompt=False), self.cfg.micro_batch_size):
+                mb = collate_unpaired([exs[i] for i in part], self.pad_id, dev)
+                pol = sequence_logps(self.policy, mb, share_prompt=False)[0]
+                ref = self.reference_logps(name + "_kl", part, mb)
+                total += torch.stack([(pol - ref).sum(), torch.tensor(float(len(part)), device=dev)])
+        distributed.reshard(self.policy)  # forwards with no backward (see distributed.reshard)
+        total = distributed.all_reduce_sum(total)
+        return (total[0] / total[1].clamp_min(1)).clamp_min(0.0)  # max(0, mean log ratio), detached
+
+    def of(self, name: str, idx: list[int], z0=None) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
+        """(per-pair losses, per-pair metric sums, tokens run) of the rows ``idx`` of set ``name``."""
+        cfg, exs = self.cfg, self.sets[name]
+        if self.kto:
+            mb = collate_unpaired([exs[i] for i in idx], self.pad_id, self.device)
+            logps, lengths = sequence_logps(self.policy, mb, share_prompt=False)
+            losses, met = P.kto_loss(logps, self.reference_logps(name, idx, mb), mb["labels"], z0, beta=cfg.beta,
+                                     desirable_weight=cfg.kto_desirable_weight, undesirable_weight=cfg.kto_undesirable_weight)
+            d = met["is_desirable"]
+            out = {"rewards/desirable_sum": (met["rewards"] * d).sum(), "rewards/undesirable_sum": (met["rewards"] * (1 - d)).sum(),
+                   "count/desirable": d.sum(), "count/undesirable": (1 - d).sum(), "logps/mean_sum": logps.detach().sum()}
+            return losses, out, float(lengths.sum() + mb["attention_mask"].sum())
+        mb = collate_pairs([exs[i] for i in idx], self.pad_id, self.device)
+        logps, lengths = sequence_logps(self.policy, mb, share_prompt=self.share)
+        ref = self.reference_logps(name, idx, mb)
+        pc, pr, nc, nr = logps[0::2], logps[1::2], lengths[0::2], lengths[1::2]
+        losses, met = pair_loss(cfg, pc, pr, nc, nr, ref[0::2] if ref is not None else None, ref[1::2] if ref is not None else None)
+        out = {f"{k}_sum": v.sum() for k, v in met.items()}
+        # does the policy itself rank the chosen response higher (summed log-prob, as a sampler would)?
+        out["logps/accuracy_sum"] = (pc > pr).float().sum()
+        out["logps/chosen_sum"], out["logps/rejected_sum"] = pc.detach().sum(), pr.detach().sum()
+        return losses, out, float(mb["attention_mask"].sum())
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """eval/* over this rank's share of the eval set, averaged over all ranks."""
+        cfg, eval_set = self.cfg, self.sets["eval"]
+        self.policy.eval()
+        mine = shard(list(range(len(eval_set))), distributed.rank(), distributed.world_size())
+        z0 = self.kto_z0("eval", mine) if self.kto else None
+        sums: dict[str, torch.Tensor] = {}
+        parts = list(chunks(by_positions(eval_set, mine, share_prompt=self.share), cfg.eval_batch_size))
+        with banner.progress(len(parts), f"{cfg.loss} eval", enabled=cfg.logging.progress, leave=False, delay=3.0) as bar:
+            for part in parts:
+                losses, met, _ = self.of("eval", part, z0)
+                _add_sums(sums, losses, met)
+                bar.update()
+        self.policy.train()
+        distributed.reshard(self.policy)
+        return _average(sums, float(len(mine)), "eval/", kto=self.kto, device=self.device)
+
+
 # --------------------------------------------------------------------------- training
 
 
@@ -341,7 +425,6 @@ def train(cfg: Config) -> RunResult:
     seed_everything(cfg.seed)
     run_dir = open_run(cfg, "dpo")  # a fresh directory unless resuming the same run (relign.rundir)
     kto = cfg.loss == "kto"
-    needs_ref = cfg.loss not in REFERENCE_FREE
 
     # ---- data and model
     m = cfg.model
@@ -400,73 +483,7 @@ def train(cfg: Config) -> RunResult:
                             keep_last=cfg.checkpoint.keep_last)
         distributed.barrier()
 
-    @torch.no_grad()
-    def reference_logps(name: str, idx: list[int], mb: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """Reference summed log-probs of these rows: cached, or computed now (``reference=online``)."""
-        if not needs_ref:
-            return None
-        if ref_cache:
-            r = ref_cache[name][idx]
-            return r.flatten() if r.dim() == 2 else r  # pairs: interleaved like the rows
-        if ref_model is not None:
-            return sequence_logps(ref_model, mb, share_prompt=share and "kl" not in name)[0]
-        with policy.disable_adapter():  # LoRA: the reference is the base model, no second copy
-            out = sequence_logps(policy, mb, share_prompt=share and "kl" not in name)[0]
-        distributed.reshard(policy)  # a forward with no backward (see distributed.reshard)
-        return out
-
-    def kto_z0(name: str, idx: list[int]) -> torch.Tensor:
-        """KTO's reference point from this step's mismatched pairs, the same on every rank."""
-        exs = sets[name + "_kl"]
-        total = torch.zeros(2, device=device)
-        with torch.no_grad():
-            for part in chunks(by_positions(exs, idx, share_prompt=False), cfg.micro_batch_size):
-                mb = collate_unpaired([exs[i] for i in part], pad_id, device)
-                pol = sequence_logps(policy, mb, share_prompt=False)[0]
-                ref = reference_logps(name + "_kl", part, mb)
-                total += torch.stack([(pol - ref).sum(), torch.tensor(float(len(part)), device=device)])
-        distributed.reshard(policy)  # forwards with no backward (see distributed.reshard)
-        total = distributed.all_reduce_sum(total)
-        return (total[0] / total[1].clamp_min(1)).clamp_min(0.0)  # max(0, mean log ratio), detached
-
-    def losses_of(name: str, idx: list[int], z0=None):
-        """Per-pair (per-example for KTO) losses and metrics of the rows ``idx`` of set ``name``."""
-        exs = sets[name]
-        if kto:
-            mb = collate_unpaired([exs[i] for i in idx], pad_id, device)
-            logps, lengths = sequence_logps(policy, mb, share_prompt=False)
-            losses, met = P.kto_loss(logps, reference_logps(name, idx, mb), mb["labels"], z0, beta=cfg.beta,
-                                     desirable_weight=cfg.kto_desirable_weight, undesirable_weight=cfg.kto_undesirable_weight)
-            d = met["is_desirable"]
-            out = {"rewards/desirable_sum": (met["rewards"] * d).sum(), "rewards/undesirable_sum": (met["rewards"] * (1 - d)).sum(),
-                   "count/desirable": d.sum(), "count/undesirable": (1 - d).sum(), "logps/mean_sum": logps.detach().sum()}
-            return losses, out, float(lengths.sum() + mb["attention_mask"].sum())
-        mb = collate_pairs([exs[i] for i in idx], pad_id, device)
-        logps, lengths = sequence_logps(policy, mb, share_prompt=share)
-        ref = reference_logps(name, idx, mb)
-        pc, pr, nc, nr = logps[0::2], logps[1::2], lengths[0::2], lengths[1::2]
-        losses, met = pair_loss(cfg, pc, pr, nc, nr, ref[0::2] if ref is not None else None, ref[1::2] if ref is not None else None)
-        out = {f"{k}_sum": v.sum() for k, v in met.items()}
-        # does the policy itself rank the chosen response higher (summed log-prob, as a sampler would)?
-        out["logps/accuracy_sum"] = (pc > pr).float().sum()
-        out["logps/chosen_sum"], out["logps/rejected_sum"] = pc.detach().sum(), pr.detach().sum()
-        return losses, out, float(mb["attention_mask"].sum())
-
-    @torch.no_grad()
-    def evaluate() -> dict[str, float]:
-        policy.eval()
-        mine = shard(list(range(len(eval_set))), rank, world)
-        z0 = kto_z0("eval", mine) if kto else None
-        sums: dict[str, torch.Tensor] = {}
-        parts = list(chunks(by_positions(eval_set, mine, share_prompt=share), cfg.eval_batch_size))
-        with banner.progress(len(parts), f"{cfg.loss} eval", enabled=cfg.logging.progress, leave=False, delay=3.0) as bar:
-            for part in parts:
-                losses, met, _ = losses_of("eval", part, z0)
-                _add_sums(sums, losses, met)
-                bar.update()
-        policy.train()
-        distributed.reshard(policy)
-        return _average(sums, float(len(mine)), "eval/", kto=kto, device=device)
+    losses = PreferenceLosses(cfg, policy, sets, ref_model=ref_model, ref_cache=ref_cache, pad_id=pad_id, device=device)
 
     lg = cfg.logging
     bar = ("train/loss", "train/rewards/accuracy", "train/rewards/margins", "perf/pairs_per_s") if not kto else \
@@ -484,17 +501,17 @@ def train(cfg: Config) -> RunResult:
         t0 = time.perf_counter()
         mine = shard(sampler.next(), rank, world)
         n_global = float(cfg.batch_size)
-        z0 = kto_z0("train", mine) if kto else None
+        z0 = losses.kto_z0("train", mine) if kto else None
         sums: dict[str, torch.Tensor] = {}
         tokens = 0.0
         # similar lengths in a micro-batch pad less; the order within a step changes only rounding
         for part in chunks(by_positions(train_set, mine, share_prompt=share), cfg.micro_batch_size):
-            losses, met, ntok = losses_of("train", part, z0)
+            per_pair, met, ntok = losses.of("train", part, z0)
             # one normalizer for the whole step on every rank: the summed gradient is that of
             # the mean loss over the global batch (x world: FSDP averages gradients over ranks)
-            (losses.sum() / n_global * world).backward()
+            (per_pair.sum() / n_global * world).backward()
             tokens += ntok
-            _add_sums(sums, losses, met)
+            _add_sums(sums, per_pair, met)
         grad_norm = clip_gradients(params, o.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -510,7 +527,7 @@ def train(cfg: Config) -> RunResult:
         if kto:
             metrics["train/kl"] = float(z0)
         if eval_set and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps):
-            metrics.update(evaluate())
+            metrics.update(losses.evaluate())
         tracker.log(step, metrics)
         if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
             save(step)
