@@ -161,7 +161,8 @@ def worker_relign(a: argparse.Namespace) -> dict:
     run_dir = tempfile.mkdtemp(prefix="relign-grpo-bench-")
     n_completions = a.prompts_per_step * a.group
     overrides = [
-        f"model.path={a.model}", "model.dtype=fp32", "model.attn_implementation=sdpa",
+        f"model.path={a.model}", f"model.dtype={'bf16-mixed' if a.precision == 'bf16' else 'fp32'}",
+        "model.attn_implementation=sdpa",
         "task.name=custom", f"task.path={a.prompts}", f"task.reward_fn={THIS}:relign_reward", "task.chat=false",
         "task.reward_workers=0", "task.max_prompt_length=1024",
         f"rollout.n={a.group}", f"rollout.max_new_tokens={a.max_new_tokens}", f"rollout.min_new_tokens={a.max_new_tokens}",
@@ -318,7 +319,7 @@ def worker_trl(a: argparse.Namespace) -> dict:
         max_grad_norm=1.0,
         optim="adamw_torch_fused",  # relign builds torch.optim.AdamW(fused=True) on CPU too
         seed=a.seed,
-        bf16=False,
+        bf16=a.precision == "bf16",  # fp32 weights, bf16 autocast: what relign's model.dtype=bf16-mixed does
         fp16=False,
         gradient_checkpointing=False,  # GRPOConfig defaults to True; relign's default is False
         use_cpu=True,
@@ -457,7 +458,7 @@ def _spawn(lib: str, a: argparse.Namespace, model_dir: str, prompts: str, tmp: s
         "--steps", str(a.steps), "--warmup", str(a.warmup), "--prompts-per-step", str(a.prompts_per_step),
         "--group", str(a.group), "--max-new-tokens", str(a.max_new_tokens), "--micro-batch-size", str(a.micro_batch_size),
         "--lr", str(a.lr), "--beta", str(a.beta), "--seed", str(a.seed), "--threads", str(a.threads),
-        *[f"--relign-set={x}" for x in a.relign_set],
+        "--precision", a.precision, *[f"--relign-set={x}" for x in a.relign_set],
     ]
     load_before = _wait_quiet(a.wait_quiet) if a.wait_quiet > 0 else None
     t0 = time.perf_counter()
@@ -524,6 +525,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads in every run (0: torch's default)")
     p.add_argument("--wait-quiet", type=float, default=60.0,
                    help="before each run, wait up to this many seconds for other processes to leave the CPU idle (0: don't)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: fp32 weights, bf16 autocast on both sides (relign model.dtype=bf16-mixed, TRL bf16=True)")
     p.add_argument("--relign-set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra relign rl override, repeatable (e.g. share_prompt=false to turn off shared-prompt training forwards)")
     p.add_argument("--engines", default="hf", help="relign's rollout engines to run, comma-separated: hf, vllm (default hf)")
@@ -641,7 +644,7 @@ def main(argv: list[str] | None = None) -> None:
                 "relign's training/reference forwards run each group's prompt once (share_prompt=true, its default; "
                 "same log-probs and gradients); TRL runs every row's full prompt",
             ],
-            "seed": a.seed, "dtype": "fp32", "device": "cpu", "attn_implementation": "sdpa",
+            "seed": a.seed, "dtype": "fp32 weights, bf16 autocast" if a.precision == "bf16" else "fp32", "device": "cpu", "attn_implementation": "sdpa",
             "phase_definitions": {
                 "step": "end of previous step to end of this step (relign metrics log / TRL on_step_end)",
                 "rollout": "relign time/rollout_s + time/reward_s; TRL _generate + _calculate_rewards",
@@ -667,7 +670,7 @@ def main(argv: list[str] | None = None) -> None:
     gen_tok = want_tokens
     lines = [
         f"GRPO step: relign {relign.__version__} vs TRL {trl.__version__} GRPOTrainer (tiny qwen2 'small', {n_params / 1e6:.1f}M params, "
-        f"fp32, CPU, {r['torch_threads']} torch threads, torch {torch.__version__}, transformers {transformers.__version__}; "
+        f"{'fp32 weights + bf16 autocast' if a.precision == 'bf16' else 'fp32'}, CPU, {r['torch_threads']} torch threads, torch {torch.__version__}, transformers {transformers.__version__}; "
         f"relign @ {git_before['commit'][:7]}{' + uncommitted changes' if git_before['dirty'] else ''})",
         f"{a.prompts_per_step} prompts x G={a.group} = {a.prompts_per_step * a.group} completions x {a.max_new_tokens} tokens "
         f"(EOS banned) per step, micro-batch {a.micro_batch_size}, beta {a.beta} (k3, ref model), 1 update/rollout, lr {a.lr}; "
