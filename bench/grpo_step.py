@@ -84,6 +84,9 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
 REPO = Path(__file__).resolve().parent.parent
+# The environment as the user started this script, before it imports relign, which sets oneDNN's
+# cache sizes (relign/__init__.py): TRL's processes get this one, so each library runs as it comes.
+PEER_ENV = dict(os.environ)
 THIS = Path(__file__).resolve()
 GSM8K = REPO / "relign" / "envs" / "data" / "gsm8k_train_512.jsonl"
 RESULTS = REPO / "bench" / "results" / "grpo_step.json"
@@ -462,7 +465,8 @@ def _spawn(lib: str, a: argparse.Namespace, model_dir: str, prompts: str, tmp: s
     ]
     load_before = _wait_quiet(a.wait_quiet) if a.wait_quiet > 0 else None
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                          env=None if lib.startswith("relign") else PEER_ENV)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])

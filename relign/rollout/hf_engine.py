@@ -95,6 +95,13 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = self.k_buf[:, :, : self.length], self.v_buf[:, :, : self.length]
 
     def update(self, key_states, value_states, *args, **kwargs):
+        dev = key_states.device.type
+        if torch.is_autocast_enabled(dev):
+            # model.dtype=bf16-mixed: keys come out of RoPE in fp32, values in bf16. Attention
+            # casts both to bf16 anyway, so keep them in bf16: the same numbers, half the
+            # memory, and no cast of the whole cache at every decode step.
+            dtype = torch.get_autocast_dtype(dev)
+            key_states, value_states = key_states.to(dtype), value_states.to(dtype)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             B, H, _, D = key_states.shape

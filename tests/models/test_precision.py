@@ -137,3 +137,35 @@ def test_engine_samples_with_the_trainers_bf16_log_probs(tiny_model_dir, tokeniz
             lp, _ = token_logps(model, ids, target_mask=target)
             gaps.append((lp[0, len(p):] - torch.tensor(c.logps)).abs().max().item())
     assert len(gaps) == 4 and max(gaps) < 0.02, gaps
+
+
+ONEDNN_PROBE = """
+import os, sys, torch
+import relign  # sets the oneDNN cache sizes unless the user did
+def rss():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) // 1024
+torch.set_num_threads(1)
+lin = torch.nn.Linear(256, 1024)
+with torch.inference_mode(), torch.autocast('cpu', dtype=torch.bfloat16):
+    lin(torch.randn(8, 256))
+    start = rss()
+    for t in range(1, 601):  # 600 shapes, as 600 decode steps over a growing KV cache give
+        lin(torch.randn(t, 256))
+print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'], os.environ['LRU_CACHE_CAPACITY'], rss() - start)
+"""
+
+
+def test_bf16_kernels_of_new_shapes_do_not_pile_up():
+    """oneDNN caches a bf16 kernel per shape; relign caps its caches at 64 entries (relign/__init__.py),
+    which keeps a run with ever-new shapes bounded (600 shapes: +63 MB capped, +397 MB at 1,024 entries,
+    on the CI machine). A value the user exported wins."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    out = subprocess.run([sys.executable, "-c", ONEDNN_PROBE], capture_output=True, text=True, env=env, check=True).stdout.split()
+    assert out[:2] == ["64", "64"] and int(out[2]) < 200, out
+    out = subprocess.run([sys.executable, "-c", ONEDNN_PROBE], capture_output=True, text=True, check=True,
+                         env={**env, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16"}).stdout.split()
+    assert out[:2] == ["16", "64"], out
