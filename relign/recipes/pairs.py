@@ -3,10 +3,11 @@ split, collating pairs, and summed response log-probs with the prompt run once p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from .. import distributed
 from ..config import PreferenceDataConfig
 from ..data.preference import PairExample, UnpairedExample, build_pair_examples, build_unpaired_examples
 from ..data.stats import announce
@@ -38,6 +39,33 @@ def load_examples(d: PreferenceDataConfig, tok, *, unpaired: bool = False, seed:
         held_out = [train[i] for i in order[:n_eval]]
         train = [train[i] for i in sorted(order[n_eval:])]
     return train, held_out, metrics
+
+
+def add_sums(sums: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
+    """Accumulate a micro-batch's per-pair values (or their sums), summed and detached, into
+    the step's sums."""
+    for k, v in values.items():
+        total = v.detach().float().sum()
+        sums[k] = sums[k] + total if k in sums else total
+
+
+def average_sums(sums: dict[str, torch.Tensor], n: float, prefix: str, *, device, names: dict[str, str],
+                 denominator: Callable[[str], str | None] = lambda key: None) -> dict[str, float]:
+    """The step's metrics: each sum averaged over the global batch (all ranks), ``n`` pairs on
+    this rank. A key's ``_sum`` suffix is dropped and ``names`` renames it; ``count/*`` keys are
+    denominators only: ``denominator(key)`` names the one a key is averaged over instead of the
+    pair count (KTO's rewards, over their own class's examples)."""
+    keys = sorted(sums)
+    vec = distributed.all_reduce_sum(torch.stack([sums[k] for k in keys] + [torch.tensor(float(n), device=device)]))
+    totals = dict(zip(keys, vec[:-1].tolist()))
+    out = {}
+    for k, v in totals.items():
+        if k.startswith("count/"):
+            continue
+        count = totals[own] if (own := denominator(k)) is not None else vec[-1].item()
+        name = k.removesuffix("_sum")
+        out[prefix + names.get(name, name)] = v / max(count, 1.0)
+    return out
 
 
 def by_positions(examples: Sequence, idx: Sequence[int], *, share_prompt: bool) -> list[int]:

@@ -66,7 +66,7 @@ from ..optim import build_training, clip_gradients
 from ..rundir import open_run
 from ..tracking import Tracker, read_metrics
 from . import RunResult
-from .pairs import by_positions, collate_pairs, collate_unpaired, load_examples, sequence_logps
+from .pairs import add_sums, average_sums, by_positions, collate_pairs, collate_unpaired, load_examples, sequence_logps
 
 LOSSES = ("dpo", "ipo", "dpop", "simpo", "orpo", "kto", "sdpo")
 REFERENCE_FREE = ("simpo", "orpo")
@@ -301,32 +301,17 @@ def _reference(cfg: Config, policy, sets: dict[str, list], *, run_dir: Path, res
     return None, {}, 0.0
 
 
-def _add_sums(sums: dict[str, torch.Tensor], losses: torch.Tensor, met: dict[str, torch.Tensor]) -> None:
-    """Accumulate a micro-batch's per-pair sums (detached) into the step's."""
-    for k, v in {"loss_sum": losses.detach().sum(), **met}.items():
-        sums[k] = sums[k] + v.detach() if k in sums else v.detach().clone()
-
-
 # Metric names of the loss functions' per-pair values, where they differ from the logged ones.
 METRIC_NAMES = {"margins": "rewards/margins", "accuracy": "rewards/accuracy", "penalty": "dpop/penalty",
                 "log_odds_ratio": "orpo/log_odds_ratio"}
 
 
 def _average(sums: dict[str, torch.Tensor], n: float, prefix: str, *, kto: bool, device) -> dict[str, float]:
-    """Average the per-pair sums over the global batch (all ranks): ``n`` pairs here; KTO's
-    rewards over their own class's count."""
-    keys = sorted(sums)
-    vec = distributed.all_reduce_sum(torch.stack([sums[k].float() for k in keys] + [torch.tensor(n, device=device)]))
-    out = {}
-    for k, v in zip(keys, vec[:-1].tolist()):
-        if k.startswith("count/"):
-            continue
-        denom = vec[-1].item()
-        if kto and k.startswith("rewards/"):
-            denom = vec[keys.index("count/" + k.split("/")[1].removesuffix("_sum"))].item()
-        name = k.removesuffix("_sum")
-        out[prefix + METRIC_NAMES.get(name, name)] = v / max(denom, 1.0)
-    return out
+    """The step's metrics; KTO's rewards are averaged over their own class's count."""
+    def own_count(key: str) -> str | None:
+        return "count/" + key.split("/")[1].removesuffix("_sum") if kto and key.startswith("rewards/") else None
+
+    return average_sums(sums, n, prefix, device=device, names=METRIC_NAMES, denominator=own_count)
 
 
 class PreferenceLosses:
@@ -406,7 +391,7 @@ class PreferenceLosses:
         with banner.progress(len(parts), f"{cfg.loss} eval", enabled=cfg.logging.progress, leave=False, delay=3.0) as bar:
             for part in parts:
                 losses, met, _ = self.of("eval", part, z0)
-                _add_sums(sums, losses, met)
+                add_sums(sums, {"loss_sum": losses, **met})
                 bar.update()
         self.policy.train()
         distributed.reshard(self.policy)
@@ -511,7 +496,7 @@ def train(cfg: Config) -> RunResult:
             # the mean loss over the global batch (x world: FSDP averages gradients over ranks)
             (per_pair.sum() / n_global * world).backward()
             tokens += ntok
-            _add_sums(sums, per_pair, met)
+            add_sums(sums, {"loss_sum": per_pair, **met})
         grad_norm = clip_gradients(params, o.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()

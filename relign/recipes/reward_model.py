@@ -56,7 +56,7 @@ from ..optim import build_training, clip_gradients
 from ..rundir import open_run
 from ..tracking import Tracker, read_metrics
 from . import RunResult
-from .pairs import collate_pairs, load_examples
+from .pairs import add_sums, average_sums, collate_pairs, load_examples
 
 
 @dataclass
@@ -102,6 +102,10 @@ def _check(cfg: Config) -> None:
     if not cfg.data.path:
         raise ConfigError("missing value for 'data.path': give a preference file, a dataset folder or a hub id")
     check_model_path("model.path", cfg.model.path)
+
+
+# Logged names of the loss's per-pair values, where they differ.
+METRIC_NAMES = {"margins": "rewards/margins"}
 
 
 def pair_rewards(model, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,16 +170,6 @@ def train(cfg: Config) -> RunResult:
         r_w, r_l = pair_rewards(model, mb)
         return bradley_terry_loss(r_w, r_l, margin=mb["margins"] if cfg.use_margin else None, center_coef=cfg.center_coef)
 
-    def averaged(sums: dict[str, torch.Tensor], n: float, prefix: str) -> dict[str, float]:
-        keys = sorted(sums)
-        vec = distributed.all_reduce_sum(torch.stack([sums[k] for k in keys] + [torch.tensor(n, device=device)]))
-        names = {"margins": "rewards/margins", "accuracy": "accuracy"}
-        return {prefix + names.get(k, k): v / max(vec[-1].item(), 1.0) for k, v in zip(keys, vec[:-1].tolist())}
-
-    def add(sums: dict[str, torch.Tensor], losses: torch.Tensor, met: dict[str, torch.Tensor]) -> None:
-        for k, v in {"loss": losses, **met}.items():
-            sums[k] = sums.get(k, torch.zeros((), device=device)) + v.detach().float().sum()
-
     @torch.no_grad()
     def evaluate() -> dict[str, float]:
         model.eval()
@@ -184,11 +178,12 @@ def train(cfg: Config) -> RunResult:
         parts = list(chunks(mine, cfg.eval_batch_size))
         with banner.progress(len(parts), "rm eval", enabled=cfg.logging.progress, leave=False, delay=3.0) as bar:
             for part in parts:
-                add(sums, *pair_losses(part, eval_set))
+                losses, met = pair_losses(part, eval_set)
+                add_sums(sums, {"loss": losses, **met})
                 bar.update()
         model.train()
         distributed.reshard(model)  # a forward with no backward (see distributed.reshard)
-        return averaged(sums, float(len(mine)), "eval/")
+        return average_sums(sums, len(mine), "eval/", device=device, names=METRIC_NAMES)
 
     lg = cfg.logging
     tracker = Tracker(run_dir, total_steps=total_steps, start_step=start_step, desc="rm", progress=lg.progress,
@@ -208,14 +203,14 @@ def train(cfg: Config) -> RunResult:
         for part in chunks(mine, cfg.micro_batch_size):
             losses, met = pair_losses(part, train_set)
             (losses.sum() / cfg.batch_size * world).backward()  # mean over the global batch
-            add(sums, losses, met)
+            add_sums(sums, {"loss": losses, **met})
         grad_norm = clip_gradients(params, o.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
-        metrics = averaged(sums, float(len(mine)), "train/")
+        metrics = average_sums(sums, len(mine), "train/", device=device, names=METRIC_NAMES)
         metrics.update({"train/grad_norm": grad_norm, "train/lr": lr, "perf/pairs_per_s": cfg.batch_size / max(seconds, 1e-9),
                         "train/epoch": sampler.epoch + sampler.position / max(1, sampler.n)})
         if eval_set and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps):
