@@ -36,8 +36,10 @@ def test_grpo_in_bf16_mixed_on_vllm(vllm_model_dir, tmp_path):
     """model.dtype=bf16-mixed: the trainer keeps fp32 weights and computes in bf16; the engine is
     started in bf16 (``compute_dtype``) and casts the fp32 weights it is given."""
     run = tmp_path / "run"
-    run_cli("rl", str(REPO / "examples" / "grpo.yaml"), "rollout.engine=vllm", "model.dtype=bf16-mixed", "max_steps=2",
-            "algorithm.skip_zero_adv=false", f"run_dir={run}", *QUIET)
+    proc = run_cli("rl", str(REPO / "examples" / "grpo.yaml"), "rollout.engine=vllm", "model.dtype=bf16-mixed", "max_steps=2",
+                   "algorithm.skip_zero_adv=false", f"run_dir={run}", *QUIET, env={"VLLM_LOGGING_LEVEL": "INFO"})
+    # the engine's own config line: the mismatch below is bf16-sized whichever side rounds
+    assert "dtype=torch.bfloat16" in proc.stdout + proc.stderr
     rows = _rows(run)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:  # bf16 rounding (measured 1.1e-3 mean, 6e-3 max), far above fp32's 1e-6 and far below a wrong weight
