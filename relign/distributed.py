@@ -107,11 +107,35 @@ def wrap_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     classes = _layer_classes(model)
-    for m in model.modules():
-        if m is not model and type(m).__name__ in classes:
-            fully_shard(m)
+    policy = _mixed_precision_policy(model)
+    layers = [m for m in model.modules() if m is not model and type(m).__name__ in classes]
+    for layer in layers:
+        if policy:  # a layer's norms stay fp32, each its own unit (see _mixed_precision_policy)
+            for sub in layer.modules():
+                owns = next(sub.parameters(recurse=False), None) is not None
+                if sub is not layer and owns and not isinstance(sub, torch.nn.Linear):
+                    fully_shard(sub)
+        fully_shard(layer, **policy)
     fully_shard(model)
     return model
+
+
+def _mixed_precision_policy(model: torch.nn.Module) -> dict:
+    """``model.dtype=bf16-mixed``: the decoder layers' linear weights are all-gathered in bf16
+    (half the bytes of fp32) and their gradients reduce-scattered in fp32 into the fp32 shards
+    the optimizer keeps. Autocast would round these weights to bf16 for every product anyway,
+    so gathering them in bf16 changes no number. What autocast leaves in fp32 stays fp32: the
+    norms' weights (their own FSDP units, gathered in fp32), the root's parameters (embeddings,
+    final norm, LM head, a critic's head) and the residual stream (``cast_forward_inputs=False``).
+    2 ranks then match 1 to the order of float sums (tested). Nothing for fp32 or bf16."""
+    from .models.precision import mixed_dtype
+
+    dtype = mixed_dtype(model)
+    if dtype is None:
+        return {}
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)}
 
 
 def reshard(model: torch.nn.Module) -> None:

@@ -65,6 +65,12 @@ def compute_dtype(model: torch.nn.Module) -> torch.dtype:
     return dtype if dtype is not None else next(model.parameters()).dtype
 
 
+def mixed_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The autocast dtype of ``model`` or of any module inside it (a critic's or a LoRA
+    wrapper's backbone), None when nothing in it computes mixed."""
+    return next((getattr(m, ATTR) for m in model.modules() if getattr(m, ATTR, None) is not None), None)
+
+
 def autocast_of(model: torch.nn.Module):
     """A context that computes as ``model``'s forward does, for code that runs its modules one
     by one (the HF engine's decode step)."""

@@ -98,3 +98,45 @@ def test_bf16_mixed_two_ranks_match_one(tiny_model_dir, data, tmp_path):
         assert la[0] == pytest.approx(lb[0], abs=2e-3) and la[1] == pytest.approx(lb[1], rel=2e-2)
     weights = load_file(str(multi / "checkpoints" / "step_3" / "model.safetensors"))
     assert {str(w.dtype) for w in weights.values()} == {"torch.float32"}
+
+
+# One rank's view of a bf16-mixed model under FSDP2 (run by torchrun below).
+_MIXED_SCRIPT = """
+import sys, torch
+from relign import distributed
+from relign.models.loading import load_causal_lm
+distributed.init()
+model = distributed.wrap_fsdp(load_causal_lm(sys.argv[1], dtype="bf16-mixed"))
+seen = {}
+layer, root = model.model.layers[0], model.model.embed_tokens
+layer.self_attn.q_proj.register_forward_hook(lambda m, a, out: seen.update(layer=m.weight.dtype, x=out.dtype))
+layer.register_forward_pre_hook(lambda m, a: seen.update(residual=a[0].dtype))
+root.register_forward_pre_hook(lambda m, a: seen.update(root=m.weight.dtype))
+layer.input_layernorm.register_forward_pre_hook(lambda m, a: seen.update(norm=m.weight.dtype))
+ids = torch.randint(0, 100, (2, 12))
+model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+grads = {p.grad.dtype for p in model.parameters()}
+params = {p.dtype for p in model.parameters()}
+line = " ".join(map(str, [seen["layer"], seen["x"], seen["residual"], seen["root"], seen["norm"], sorted(map(str, grads)), sorted(map(str, params))]))
+open(f"{sys.argv[2]}/rank{distributed.rank()}.txt", "w").write(line)  # one file each: two ranks' prints can interleave
+distributed.barrier()  # as the recipes end: a rank that tears gloo down while the other still talks aborts
+distributed.cleanup()
+"""
+
+
+def test_bf16_mixed_gathers_layers_in_bf16(tiny_model_dir, tmp_path):
+    """FSDP2's mixed-precision policy for bf16-mixed: a decoder layer's linear weights arrive in
+    bf16 (half the all-gather bytes) and its products come out in bf16; its input, the residual
+    stream, stays fp32 (the layers do not cast their inputs), and so do its norms' weights and
+    the root's parameters; the gradients and the shards the optimizer updates are fp32."""
+    script = tmp_path / "mixed.py"
+    script.write_text(_MIXED_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           str(tiny_model_dir), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        ln = (tmp_path / f"rank{rank}.txt").read_text()
+        assert ln.split(" ", 5)[:5] == ["torch.bfloat16", "torch.bfloat16", "torch.float32", "torch.float32", "torch.float32"], ln
+        assert ln.endswith("['torch.float32'] ['torch.float32']"), ln
