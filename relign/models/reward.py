@@ -91,9 +91,12 @@ def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     """r(x, y) [B] (fp32): the score head at each row's last non-pad token.
 
     Rows are right-padded. The last token is found from the attention mask, not from the pad
-    id, so a tokenizer whose pad id equals its EOS id still reads the EOS position."""
-    out = _backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, T, H]
+    id, so a tokenizer whose pad id equals its EOS id still reads the EOS position (the model's
+    own pooling looks for the pad id). The model's own forward runs all the same, for its final
+    hidden states: under FSDP2 that forward, not the backbone's, gathers the root's parameters
+    (embeddings, final norm, head); calling the backbone directly failed under torchrun."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    h = out.hidden_states[-1]  # [B, T, H], after the final norm
     last = attention_mask.sum(-1) - 1  # [B]
     pooled = h[torch.arange(h.shape[0], device=h.device), last]  # [B, H]
     return _head(model)(pooled).squeeze(-1).float()

@@ -222,12 +222,14 @@ def score_examples(model, examples: list, *, paired: bool, batch_size: int, pad_
     parts = list(chunks(by_positions(examples, range(rank, n, world), share_prompt=share_prompt and paired), batch_size))
     # a pass over the whole data set before the first step: minutes on a real model, so it shows
     with banner.progress(len(parts), desc, enabled=progress) as bar:
-        for idx in parts:
+        for part in distributed.lockstep(parts):
+            idx = part or [0]  # None: a forward only to keep the ranks in step, its result dropped
             if paired:
                 s, _ = sequence_logps(model, collate_pairs([examples[i] for i in idx], pad_id, device), share_prompt=share_prompt)
-                out[idx] = s.view(-1, 2)
+                s = s.view(-1, 2)
             else:
                 s, _ = sequence_logps(model, collate_unpaired([examples[i] for i in idx], pad_id, device), share_prompt=False)
+            if part is not None:
                 out[idx] = s
             bar.update()
     model.train(was_training)
@@ -347,11 +349,13 @@ class PreferenceLosses:
         exs, dev = self.sets[name + "_kl"], self.device
         total = torch.zeros(2, device=dev)
         with torch.no_grad():
-            for part in chunks(by_positions(exs, idx, share_prompt=False), self.cfg.micro_batch_size):
-                mb = collate_unpaired([exs[i] for i in part], self.pad_id, dev)
+            parts = list(chunks(by_positions(exs, idx, share_prompt=False), self.cfg.micro_batch_size))
+            for part in distributed.lockstep(parts):
+                mb = collate_unpaired([exs[i] for i in part or [0]], self.pad_id, dev)
                 pol = sequence_logps(self.policy, mb, share_prompt=False)[0]
-                ref = self.reference_logps(name + "_kl", part, mb)
-                total += torch.stack([(pol - ref).sum(), torch.tensor(float(len(part)), device=dev)])
+                ref = self.reference_logps(name + "_kl", part or [0], mb)
+                if part is not None:  # None: forwards only to keep the ranks in step
+                    total += torch.stack([(pol - ref).sum(), torch.tensor(float(len(part)), device=dev)])
         distributed.reshard(self.policy)  # forwards with no backward (see distributed.reshard)
         total = distributed.all_reduce_sum(total)
         return (total[0] / total[1].clamp_min(1)).clamp_min(0.0)  # max(0, mean log ratio), detached
@@ -389,9 +393,10 @@ class PreferenceLosses:
         sums: dict[str, torch.Tensor] = {}
         parts = list(chunks(by_positions(eval_set, mine, share_prompt=self.share), cfg.eval_batch_size))
         with banner.progress(len(parts), f"{cfg.loss} eval", enabled=cfg.logging.progress, leave=False, delay=3.0) as bar:
-            for part in parts:
-                losses, met, _ = self.of("eval", part, z0)
-                add_sums(sums, {"loss_sum": losses, **met})
+            for part in distributed.lockstep(parts):
+                losses, met, _ = self.of("eval", part or [0], z0)
+                if part is not None:  # None: a forward only to keep the ranks in step
+                    add_sums(sums, {"loss_sum": losses, **met})
                 bar.update()
         self.policy.train()
         distributed.reshard(self.policy)

@@ -177,9 +177,10 @@ def train(cfg: Config) -> RunResult:
         sums: dict[str, torch.Tensor] = {}
         parts = list(chunks(mine, cfg.eval_batch_size))
         with banner.progress(len(parts), "rm eval", enabled=cfg.logging.progress, leave=False, delay=3.0) as bar:
-            for part in parts:
-                losses, met = pair_losses(part, eval_set)
-                add_sums(sums, {"loss": losses, **met})
+            for part in distributed.lockstep(parts):
+                losses, met = pair_losses(part or [0], eval_set)
+                if part is not None:  # None: a forward only to keep the ranks in step
+                    add_sums(sums, {"loss": losses, **met})
                 bar.update()
         model.train()
         distributed.reshard(model)  # a forward with no backward (see distributed.reshard)

@@ -187,11 +187,12 @@ def evaluate_loss(model, examples: list[SFTExample], *, batch_size: int, pad_id:
     count = torch.zeros((), device=device)
     groups = list(chunks(mine, batch_size))
     with banner.progress(len(groups), f"{desc} eval", enabled=progress, leave=False, delay=3.0) as bar:
-        for group in groups:
-            mb = _collate(group, False, pad_id, device)
+        for group in distributed.lockstep(groups):
+            mb = _collate(group or examples[:1], False, pad_id, device)
             logps = _forward(model, mb)
-            nll += -(logps * mb["loss_mask"]).sum()
-            count += mb["loss_mask"].sum()
+            if group is not None:  # None: a forward only to keep the ranks in step
+                nll += -(logps * mb["loss_mask"]).sum()
+                count += mb["loss_mask"].sum()
             bar.update()
     model.train(was_training)
     distributed.reshard(model)  # a forward with no backward (see distributed.reshard)

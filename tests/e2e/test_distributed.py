@@ -140,3 +140,29 @@ def test_bf16_mixed_gathers_layers_in_bf16(tiny_model_dir, tmp_path):
         ln = (tmp_path / f"rank{rank}.txt").read_text()
         assert ln.split(" ", 5)[:5] == ["torch.bfloat16", "torch.bfloat16", "torch.float32", "torch.float32", "torch.float32"], ln
         assert ln.endswith("['torch.float32'] ['torch.float32']"), ln
+
+
+@pytest.mark.parametrize("recipe", ["rm", "dpo"])
+def test_uneven_eval_shards_on_two_ranks(tiny_model_dir, tmp_path, recipe):
+    """relign rm and dpo (reference precomputed) under torchrun where the ranks' shares of a
+    pass split into different numbers of batches: 10 pairs, 3 held out and evaluated in batches
+    of 1 (2 on one rank, 1 on the other; dpo's precompute of the 7 others too). Every FSDP2 forward
+    all-gathers, so the short rank runs throwaway forwards (distributed.lockstep); before, the
+    run hung. rm also used to fail outright: it called the backbone past the FSDP root. The
+    2-rank eval and train numbers are the 1-rank run's."""
+    common = [recipe, str(REPO / "examples" / f"{recipe}.yaml"), f"model.path={tiny_model_dir}", "data.max_rows=16",
+              "data.max_length=256", "data.eval_fraction=0.3", "eval_batch_size=1", "batch_size=2", "micro_batch_size=1",
+              "max_steps=2", "eval_every=1", "checkpoint.save_every=0", "checkpoint.save_final=false",
+              "logging.tensorboard=false", "logging.progress=false"]
+    if recipe == "dpo":
+        common += ["reference=precompute"]  # in batches of eval_batch_size
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    run_cli(*common, f"run_dir={single}")
+    proc = _torchrun([*common, f"run_dir={multi}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a = [r for r in read_metrics(single) if "eval/loss" in r]
+    b = [r for r in read_metrics(multi) if "eval/loss" in r]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
+    for x, y in zip(a, b):
+        for k in ("eval/loss", "train/loss", "train/grad_norm"):
+            assert x[k] == pytest.approx(y[k], abs=1e-5, rel=1e-4), k
