@@ -220,9 +220,10 @@ def score_examples(model, examples: list, *, paired: bool, batch_size: int, pad_
     was_training = model.training
     model.eval()
     parts = list(chunks(by_positions(examples, range(rank, n, world), share_prompt=share_prompt and paired), batch_size))
+    parts = distributed.lockstep(parts)  # the short rank's extra forwards are None
     # a pass over the whole data set before the first step: minutes on a real model, so it shows
     with banner.progress(len(parts), desc, enabled=progress) as bar:
-        for part in distributed.lockstep(parts):
+        for part in parts:
             idx = part or [0]  # None: a forward only to keep the ranks in step, its result dropped
             if paired:
                 s, _ = sequence_logps(model, collate_pairs([examples[i] for i in idx], pad_id, device), share_prompt=share_prompt)
@@ -391,9 +392,9 @@ class PreferenceLosses:
         mine = shard(list(range(len(eval_set))), distributed.rank(), distributed.world_size())
         z0 = self.kto_z0("eval", mine) if self.kto else None
         sums: dict[str, torch.Tensor] = {}
-        parts = list(chunks(by_positions(eval_set, mine, share_prompt=self.share), cfg.eval_batch_size))
+        parts = distributed.lockstep(list(chunks(by_positions(eval_set, mine, share_prompt=self.share), cfg.eval_batch_size)))
         with banner.progress(len(parts), f"{cfg.loss} eval", enabled=cfg.logging.progress, leave=False, delay=3.0) as bar:
-            for part in distributed.lockstep(parts):
+            for part in parts:
                 losses, met, _ = self.of("eval", part or [0], z0)
                 if part is not None:  # None: a forward only to keep the ranks in step
                     add_sums(sums, {"loss_sum": losses, **met})

@@ -185,9 +185,9 @@ def evaluate_loss(model, examples: list[SFTExample], *, batch_size: int, pad_id:
     mine = shard(examples, distributed.rank(), distributed.world_size())
     nll = torch.zeros((), device=device)
     count = torch.zeros((), device=device)
-    groups = list(chunks(mine, batch_size))
+    groups = distributed.lockstep(list(chunks(mine, batch_size)))
     with banner.progress(len(groups), f"{desc} eval", enabled=progress, leave=False, delay=3.0) as bar:
-        for group in distributed.lockstep(groups):
+        for group in groups:
             mb = _collate(group or examples[:1], False, pad_id, device)
             logps = _forward(model, mb)
             if group is not None:  # None: a forward only to keep the ranks in step
