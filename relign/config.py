@@ -55,6 +55,9 @@ class ModelConfig:
     full-weight AdamW updates below |w|/256 round to nothing)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    lean_activations: bool = True
+    """Save less for backward (relign.models.lean): SwiGLU MLPs keep g and u and recompute
+    silu(g) * u, Llama/Qwen RMSNorms recompute the normalized x. Same numbers to float rounding."""
     trust_remote_code: bool = False
     """Allow a hub model to run its own Python code. Off unless you trust the source."""
     attn_implementation: str = "sdpa"

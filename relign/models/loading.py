@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.nn.modules.dropout import _DropoutNd
 
+from . import lean
 from .precision import autocast_dtype, enable_autocast
 
 log = logging.getLogger(__name__)
@@ -281,11 +282,13 @@ def load_causal_lm(
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
     gradient_checkpointing: bool = False,
+    lean_activations: bool = True,
     device: str | torch.device = "cpu",
     key: str = "model.path",
 ):
     """A Hugging Face causal LM in train mode on ``device``, with its dropout off (``disable_dropout``).
     ``dtype`` bf16-mixed: fp32 parameters, forward under bf16 autocast (``models.precision``).
+    ``lean_activations``: SwiGLU MLPs save less for backward (``models.lean``).
     ``key`` is the config key (or argument) that errors name."""
     from transformers import AutoModelForCausalLM
 
@@ -305,6 +308,8 @@ def load_causal_lm(
         enable_autocast(model, autocast_dtype(dtype))
     # before any LoRA wrapping, so the adapter's own lora.dropout stays what the user asked
     disable_dropout(model)
+    if lean_activations:
+        lean.lean_activations(model)
     if gradient_checkpointing:
         # transformers 5 renamed gradient_checkpointing_enable; keep both working.
         kwargs = {"use_reentrant": False}

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from ..data.preference import encode_prompt_response
+from . import lean
 from .loading import _check_source, disable_dropout, load_tokenizer, resolve_dtype, resolve_model_path
 from .precision import autocast_dtype, enable_autocast
 
@@ -46,7 +47,8 @@ def _head(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def load_reward_model(path: str, *, dtype: str = "fp32", attn_implementation: str = "sdpa", trust_remote_code: bool = False,
-                      gradient_checkpointing: bool = False, pad_token_id: int | None = None, device="cpu"):
+                      gradient_checkpointing: bool = False, lean_activations: bool = True, pad_token_id: int | None = None,
+                      device="cpu"):
     """A one-output sequence-classification model; from a causal LM folder the ``score`` head is new.
 
     The head of a new model starts at zero (transformers would draw it at random): every
@@ -84,6 +86,8 @@ def load_reward_model(path: str, *, dtype: str = "fp32", attn_implementation: st
     model.to(device)
     if autocast_dtype(dtype) is not None:
         enable_autocast(model, autocast_dtype(dtype))
+    if lean_activations:
+        lean.lean_activations(model)
     return model.train()
 
 

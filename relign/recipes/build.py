@@ -32,7 +32,7 @@ def load_policy(m: ModelConfig, device) -> torch.nn.Module:
     """The trainable policy: ``model.path`` (+ a LoRA adapter), in train mode, dropout off."""
     model = load_causal_lm(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
                            trust_remote_code=m.trust_remote_code, gradient_checkpointing=m.gradient_checkpointing,
-                           device=device)
+                           lean_activations=m.lean_activations, device=device)
     if m.lora.enabled:
         model = apply_lora(model, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout, target_modules=m.lora.target_modules)
     return model
@@ -49,7 +49,8 @@ def load_critic(path: str, m: ModelConfig, device, key: str = "model.path") -> V
     """A value model V(s_t): the causal LM at ``path`` with a zero-initialized scalar head."""
     return ValueModel(load_causal_lm(path, dtype=m.dtype, attn_implementation=m.attn_implementation,
                                      trust_remote_code=m.trust_remote_code,
-                                     gradient_checkpointing=m.gradient_checkpointing, device=device, key=key))
+                                     gradient_checkpointing=m.gradient_checkpointing,
+                                     lean_activations=m.lean_activations, device=device, key=key))
 
 
 def tracker_for(lg: LoggingConfig, run_dir, *, total_steps: int, start_step: int, desc: str, bar_keys: tuple[str, ...]) -> Tracker:

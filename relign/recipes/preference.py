@@ -444,7 +444,8 @@ def train(cfg: Config) -> RunResult:
     )
     banner.dry_run("dpo", cfg, **run_facts)  # --dry-run stops here, before any weights are read
     load = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code, device=device)
-    policy = load_causal_lm(m.path, gradient_checkpointing=m.gradient_checkpointing, **load)
+    policy = load_causal_lm(m.path, gradient_checkpointing=m.gradient_checkpointing, lean_activations=m.lean_activations,
+                            **load)
     if m.lora.enabled:
         policy = apply_lora(policy, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout, target_modules=m.lora.target_modules)
     banner.start("dpo", cfg, model=policy, **run_facts)

@@ -142,7 +142,8 @@ def train(cfg: Config) -> RunResult:
     )
     banner.dry_run("rm", cfg, **run_facts)  # --dry-run stops here, before any weights are read
     model = load_reward_model(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code,
-                              gradient_checkpointing=m.gradient_checkpointing, pad_token_id=tok.pad_token_id, device=device)
+                              gradient_checkpointing=m.gradient_checkpointing, lean_activations=m.lean_activations,
+                              pad_token_id=tok.pad_token_id, device=device)
     if m.lora.enabled:  # the new score head trains in full next to the adapter
         model = apply_lora(model, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout, target_modules=m.lora.target_modules,
                            task_type="SEQ_CLS", modules_to_save=["score"])

@@ -41,6 +41,7 @@ from ..algorithms.kl import kl_estimate
 from ..algorithms.policy_losses import entropy_bonus_loss, gspo_loss, ppo_clip_loss, value_loss
 from ..algorithms.trpo import self_kl, surrogate_objective, token_kl, trpo_step
 from ..data.balance import micro_batch_plan
+from ..models import lean
 from ..models.logprobs import PromptPrefix, prompt_prefix, response_token_logps, shared_prefix_token_logps, token_logps
 from ..optim import clip_gradients
 from ..rollout.batch import RolloutBatch
@@ -437,8 +438,9 @@ def trpo_update(policy, params: list[torch.Tensor], batch: RolloutBatch, advanta
             return token_kl(old_sub, torch.log_softmax(logits(sub), -1), m[sub])
 
     # the Fisher-vector product differentiates twice: the fused attention kernels (flash, memory
-    # efficient) have no double backward, PyTorch's math kernel does
-    with sdpa_kernel([SDPBackend.MATH]):
+    # efficient) and the lean MLP's backward have no double backward; PyTorch's math kernel and
+    # autograd's own ops do
+    with sdpa_kernel([SDPBackend.MATH]), lean.plain():
         out = trpo_step(params, surrogate, lambda: self_kl(logits(sub), m[sub]), kl_old_new, max_kl=max_kl, damping=damping,
                         cg_iters=cg_iters, backtrack_ratio=backtrack_ratio, max_backtracks=max_backtracks)
     stats = Stats()

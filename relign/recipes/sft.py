@@ -227,7 +227,7 @@ def train(cfg: Config, *, desc: str = "sft") -> RunResult:
     banner.dry_run("sft", cfg, **run_facts)  # --dry-run stops here, before any weights are read
     model = load_causal_lm(
         m.path, dtype=m.dtype, attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code,
-        gradient_checkpointing=m.gradient_checkpointing, device=device,
+        gradient_checkpointing=m.gradient_checkpointing, lean_activations=m.lean_activations, device=device,
     )
     if m.lora.enabled:
         model = apply_lora(model, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout, target_modules=m.lora.target_modules)
