@@ -195,6 +195,7 @@ def worker_relign(a: argparse.Namespace) -> dict:
         "checkpoint.save_final=false",
         "checkpoint.save_every=0",
         f"run_dir={run_dir}",
+        *a.relign_set,
     ]
     try:
         cfg = load_config(Config, None, overrides)
@@ -399,6 +400,7 @@ def _spawn(lib: str, mode: str, a: argparse.Namespace, model_dir: str, tmp: str)
         "--result", result, "--steps", str(a.steps), "--warmup", str(a.warmup), "--batch-size", str(a.batch_size),
         "--micro-batch-size", str(a.micro_batch_size), "--max-length", str(a.max_length), "--lr", str(a.lr),
         "--seed", str(a.seed), "--trl-optim", a.trl_optim, "--threads", str(a.threads), "--precision", a.precision,
+        *[f"--relign-set={x}" for x in a.relign_set],
     ]
     load_before = _wait_quiet(a.wait_quiet) if a.wait_quiet > 0 else None
     t0 = time.perf_counter()
@@ -483,6 +485,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trl-optim", default="adamw_torch_fused", help="TRL optim name (adamw_torch_fused = TRL's default and relign's fused AdamW)")
     p.add_argument("--wait-quiet", type=float, default=30.0,
                    help="before each run, wait up to this many seconds for other processes to leave the CPU idle (0: don't)")
+    p.add_argument("--relign-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra override of relign's SFT config (repeatable), e.g. model.lean_activations=false")
     p.add_argument("--out", default=str(RESULTS), help="JSON results path")
     # internal
     p.add_argument("--worker", choices=("relign", "trl"), help=argparse.SUPPRESS)

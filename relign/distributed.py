@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,16 +65,17 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return _all_reduce(t, dist.ReduceOp.MAX) if is_initialized() else t
 
 
-def lockstep(parts: list) -> list:
-    """This rank's micro-batches of a pass with no backward, padded with None up to the most
-    any rank has. Each FSDP2 forward all-gathers, so every rank must run as many as the others:
-    with 33 rows on 2 ranks in batches of 16, one rank has 2 batches and the other 1, and the
-    first would wait forever for the second's all-gather. A None is a forward on any row whose
-    result the caller throws away. Identity on one process."""
-    if world_size() == 1:
-        return parts
-    n = int(all_reduce_max(torch.tensor([len(parts)])).item())
-    return list(parts) + [None] * (n - len(parts))
+def lockstep(parts: list, filler) -> list[tuple[Any, bool]]:
+    """This rank's micro-batches of a pass with no backward as ``(part, real)`` pairs, padded
+    with ``(filler, False)`` up to the most any rank has. Each FSDP2 forward all-gathers, so
+    every rank must run as many as the others: with 33 rows on 2 ranks in batches of 16, one
+    rank has 2 batches and the other 1, and the first would wait forever for the second's
+    all-gather. The caller runs the forward on a filler part and throws its result away
+    (``real`` False). No padding on one process."""
+    n = len(parts)
+    if world_size() > 1:
+        n = int(all_reduce_max(torch.tensor([len(parts)])).item())
+    return [(p, True) for p in parts] + [(filler, False)] * (n - len(parts))
 
 
 def barrier() -> None:

@@ -220,17 +220,16 @@ def score_examples(model, examples: list, *, paired: bool, batch_size: int, pad_
     was_training = model.training
     model.eval()
     parts = list(chunks(by_positions(examples, range(rank, n, world), share_prompt=share_prompt and paired), batch_size))
-    parts = distributed.lockstep(parts)  # the short rank's extra forwards are None
+    parts = distributed.lockstep(parts, filler=[0])
     # a pass over the whole data set before the first step: minutes on a real model, so it shows
     with banner.progress(len(parts), desc, enabled=progress) as bar:
-        for part in parts:
-            idx = part or [0]  # None: a forward only to keep the ranks in step, its result dropped
+        for idx, real in parts:
             if paired:
                 s, _ = sequence_logps(model, collate_pairs([examples[i] for i in idx], pad_id, device), share_prompt=share_prompt)
                 s = s.view(-1, 2)
             else:
                 s, _ = sequence_logps(model, collate_unpaired([examples[i] for i in idx], pad_id, device), share_prompt=False)
-            if part is not None:
+            if real:  # else a forward only to keep the ranks in step
                 out[idx] = s
             bar.update()
     model.train(was_training)
@@ -351,11 +350,11 @@ class PreferenceLosses:
         total = torch.zeros(2, device=dev)
         with torch.no_grad():
             parts = list(chunks(by_positions(exs, idx, share_prompt=False), self.cfg.micro_batch_size))
-            for part in distributed.lockstep(parts):
-                mb = collate_unpaired([exs[i] for i in part or [0]], self.pad_id, dev)
+            for part, real in distributed.lockstep(parts, filler=[0]):
+                mb = collate_unpaired([exs[i] for i in part], self.pad_id, dev)
                 pol = sequence_logps(self.policy, mb, share_prompt=False)[0]
-                ref = self.reference_logps(name + "_kl", part or [0], mb)
-                if part is not None:  # None: forwards only to keep the ranks in step
+                ref = self.reference_logps(name + "_kl", part, mb)
+                if real:  # else forwards only to keep the ranks in step
                     total += torch.stack([(pol - ref).sum(), torch.tensor(float(len(part)), device=dev)])
         distributed.reshard(self.policy)  # forwards with no backward (see distributed.reshard)
         total = distributed.all_reduce_sum(total)
@@ -392,11 +391,12 @@ class PreferenceLosses:
         mine = shard(list(range(len(eval_set))), distributed.rank(), distributed.world_size())
         z0 = self.kto_z0("eval", mine) if self.kto else None
         sums: dict[str, torch.Tensor] = {}
-        parts = distributed.lockstep(list(chunks(by_positions(eval_set, mine, share_prompt=self.share), cfg.eval_batch_size)))
+        parts = distributed.lockstep(list(chunks(by_positions(eval_set, mine, share_prompt=self.share), cfg.eval_batch_size)),
+                                     filler=[0])
         with banner.progress(len(parts), f"{cfg.loss} eval", enabled=cfg.logging.progress, leave=False, delay=3.0) as bar:
-            for part in parts:
-                losses, met, _ = self.of("eval", part or [0], z0)
-                if part is not None:  # None: a forward only to keep the ranks in step
+            for part, real in parts:
+                losses, met, _ = self.of("eval", part, z0)
+                if real:  # else a forward only to keep the ranks in step
                     add_sums(sums, {"loss_sum": losses, **met})
                 bar.update()
         self.policy.train()

@@ -176,11 +176,11 @@ def train(cfg: Config) -> RunResult:
         model.eval()
         mine = shard(list(range(len(eval_set))), rank, world)
         sums: dict[str, torch.Tensor] = {}
-        parts = distributed.lockstep(list(chunks(mine, cfg.eval_batch_size)))
+        parts = distributed.lockstep(list(chunks(mine, cfg.eval_batch_size)), filler=[0])
         with banner.progress(len(parts), "rm eval", enabled=cfg.logging.progress, leave=False, delay=3.0) as bar:
-            for part in parts:
-                losses, met = pair_losses(part or [0], eval_set)
-                if part is not None:  # None: a forward only to keep the ranks in step
+            for part, real in parts:
+                losses, met = pair_losses(part, eval_set)
+                if real:  # else a forward only to keep the ranks in step
                     add_sums(sums, {"loss": losses, **met})
                 bar.update()
         model.train()

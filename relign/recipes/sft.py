@@ -185,12 +185,12 @@ def evaluate_loss(model, examples: list[SFTExample], *, batch_size: int, pad_id:
     mine = shard(examples, distributed.rank(), distributed.world_size())
     nll = torch.zeros((), device=device)
     count = torch.zeros((), device=device)
-    groups = distributed.lockstep(list(chunks(mine, batch_size)))
+    groups = distributed.lockstep(list(chunks(mine, batch_size)), filler=examples[:1])
     with banner.progress(len(groups), f"{desc} eval", enabled=progress, leave=False, delay=3.0) as bar:
-        for group in groups:
-            mb = _collate(group or examples[:1], False, pad_id, device)
+        for group, real in groups:
+            mb = _collate(group, False, pad_id, device)
             logps = _forward(model, mb)
-            if group is not None:  # None: a forward only to keep the ranks in step
+            if real:  # else a forward only to keep the ranks in step
                 nll += -(logps * mb["loss_mask"]).sum()
                 count += mb["loss_mask"].sum()
             bar.update()

@@ -30,13 +30,12 @@ def test_short_demo_learns_and_reports(demo_run):
     run, proc = demo_run
     result = json.loads((run / "demo.json").read_text())
     before, after = result["before"], result["after"]
-    # measured (2026-11-24): 44% -> 54% (T=1), greedy 72% -> 79%; the same run with
-    # model.lean_activations=false: 36% -> 55%, greedy 51% -> 75%. The two SFT stages agree to 1e-6
-    # for 50 steps and then part (float rounding, lr 2e-3): where the warm start lands moves its
-    # greedy accuracy by 20 points, not the tuned model's. The 400 samples at T=1 carry the test;
-    # greedy (100 answers, ±6 points of noise) only has to rise.
+    # measured (2026-11-24): 36% -> 55% (T=1), greedy 51% -> 75%; the margins leave room for other
+    # machines. A change of float rounding alone moves this: with model.lean_activations=true the
+    # SFT stage agrees to 1e-6 for 50 steps, then parts (lr 2e-3), and gave 44% -> 54%, greedy
+    # 72% -> 79% (the demo keeps the tiny model's activations as autograd saves them)
     assert after["accuracy"] >= before["accuracy"] + 0.08, (before, after)
-    assert after["greedy_accuracy"] >= before["greedy_accuracy"] + 0.04, (before, after)
+    assert after["greedy_accuracy"] >= before["greedy_accuracy"] + 0.08, (before, after)
     assert after["worked_frac"] > before["worked_frac"] + 0.2  # it learned to show its steps
     assert 0.05 < before["accuracy"] < 0.8  # the warm start is right sometimes, not always
     for k in ("pass@4", "maj@4", "length_mean", "truncated_frac"):
