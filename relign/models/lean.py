@@ -1,5 +1,5 @@
-"""Save fewer activations for backward: the SwiGLU MLP keeps two tensors, not four
-(``model.lean_activations``, on by default).
+"""Save fewer activations for backward (``model.lean_activations``, on by default): the
+SwiGLU MLP keeps two tensors, not four, and the RMSNorm keeps its input, not its output too.
 
 Why: on a decoder layer of a Llama/Qwen-shaped model, most of what autograd keeps for the
 backward pass is the MLP's. ``down(silu(gate(x)) * up(x))`` saves, per token, g = gate(x) (for
@@ -7,20 +7,24 @@ silu's backward), silu(g) and u = up(x) (for the product's backward) and p = sil
 down's weight gradient): four vectors of the MLP width I, against about 1.5 hidden-size vectors
 for the rest of the layer. silu and the product are elementwise, so recomputing them from g and
 u in backward costs two passes over [tokens, I], next to the six matrix products of the MLP's
-forward and backward. Keeping only g and u halves the MLP's share: measured on ``tiny:small``
-(10 layers, hidden 256, I 1024), 8 rows of 380-520 tokens, it takes a training step's peak RSS
-from 2.5 GB to 2.2 GB at the same speed. Liger-Kernel's SwiGLU recomputes silu(g) * u too but
-still saves p for ``down``; here ``down``'s weight gradient is computed in the same backward, so
-p is never kept.
+forward and backward. Liger-Kernel's SwiGLU recomputes silu(g) * u too but still saves p for
+``down``; here ``down``'s weight gradient is computed in the same backward, so p is never kept.
+Each RMSNorm also keeps its normalized input for the product with its weight: one hidden-size
+vector per token, recomputed here from x and 1/rms. Measured on ``tiny:small`` (10 layers, hidden
+256, I 1024), SFT with micro-batches of 8 rows up to 520 tokens: peak RSS 3,042 -> 2,625 MB, the
+speed within noise (BENCHMARKS.md).
 
-The forward and backward run the same kernels on the same shapes as the module's own forward and
-autograd's backward of it, so outputs and gradients are bitwise equal (tested in fp32 and bf16). The replacement only runs when it can be exact: plain
-``nn.Linear`` projections without bias and a SiLU activation, checked at every call, so a LoRA
-adapter (peft swaps the projections for its own layers) or another activation falls back to the
-module's own forward. Without gradients (rollouts, reference passes) it is the module's own
-forward too, and so it is inside ``plain()``, for graphs that are differentiated twice. Under autocast (``model.dtype=bf16-mixed``) the backward runs under the same
-autocast state as the forward, as autograd's own backward of those ops would compute: products in
-bf16, gradients cast back to the fp32 weights.
+The MLP's forward and backward run the same kernels on the same shapes as the module's own
+forward and autograd's backward of it, so its outputs and gradients are bitwise equal (tested in
+fp32 and bf16); the norm's outputs are bitwise and its gradients equal to rounding. The
+replacement only runs when it can be exact: plain ``nn.Linear`` projections without bias and a
+SiLU activation, checked at every call, so a LoRA adapter (peft swaps the projections for its own
+layers) or another activation falls back to the module's own forward; norms only of the
+``NORMS`` classes. Without gradients (rollouts, reference passes) it is the module's own forward
+too, and so it is inside ``plain()``, for graphs that are differentiated twice. Under autocast
+(``model.dtype=bf16-mixed``) the MLP's backward runs under the same autocast state as its
+forward, as autograd's own backward of those ops would compute: products in bf16, gradients cast
+back to the fp32 weights.
 """
 
 from __future__ import annotations
@@ -79,7 +83,8 @@ class SwiGLU(torch.autograd.Function):
 class RMSNorm(torch.autograd.Function):
     """y = w * (x / sqrt(mean(x^2) + eps)) as Llama/Qwen compute it (in fp32, the product with w
     in x's dtype), saving x and r = 1 / sqrt(mean(x^2) + eps) only: the normalized x is
-    recomputed. The backward is autograd's, op for op, so the gradients are bitwise its own."""
+    recomputed. The backward is autograd's op for op, but x's gradient terms (two here, one from
+    the residual) are added in another order than autograd's, so gradients agree to rounding."""
 
     @staticmethod
     def forward(ctx, x, w, eps):
