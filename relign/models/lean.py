@@ -40,7 +40,7 @@ from torch.autograd.function import once_differentiable
 _SILU = ("SiLU", "SiLUActivation")
 # norms whose forward is exactly RMSNorm.forward's (Gemma's (1 + w) and OLMo-2's order differ)
 NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
-_ATTR = "_relign_lean"  # marks an MLP whose forward is this module's
+_ATTR = "_relign_lean"  # marks an MLP or a norm whose forward is this module's
 _ON = contextvars.ContextVar("relign_lean_on", default=True)
 
 
