@@ -197,12 +197,37 @@ def model_size(path: str, *, kind: str = "causal", lora=None, trust_remote_code:
     return count_parameters(model)
 
 
+def cpu_name(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name and its widest vector extension, e.g. "AMD EPYC, AVX2" (Linux; else
+    what ``platform`` knows). Timings of small models depend on it: the same 2-core demo ran
+    about 25% longer on an AVX2-only machine than on one with AVX-512 (BENCHMARKS.md)."""
+    import platform
+
+    name, flags = "", set()
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not name:
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine()
+    isa = next((label for flag, label in (("amx_tile", "AMX"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"),
+                                          ("avx2", "AVX2")) if flag in flags), "")
+    return f"{name}, {isa}" if isa else name
+
+
 def _device_line(device) -> str:
     import torch
 
     world = distributed.world_size()
     ranks = f" x {world} ranks" if world > 1 else ""
-    return f"{device}{ranks}, {torch.get_num_threads()} CPU threads"
+    cpu = f" ({cpu_name()})" if str(device) == "cpu" else ""
+    return f"{device}{cpu}{ranks}, {torch.get_num_threads()} CPU threads"
 
 
 def _discard_new_run_dir(run_dir: Path) -> bool:

@@ -32,6 +32,21 @@ def test_params_duration_data_and_steps_lines():
     assert banner.steps_line(60, max_steps=60) == "60 (max_steps)"
 
 
+def test_cpu_name_reads_model_name_and_widest_vector_extension(tmp_path):
+    # the first processor's lines decide; later ones are not read
+    zen3 = tmp_path / "zen3"
+    zen3.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse avx fma avx2 sha_ni\n\n"
+                    "processor\t: 1\nmodel name\t: other\nflags\t\t: avx512f\n")
+    assert banner.cpu_name(str(zen3)) == "AMD EPYC, AVX2"
+    spr = tmp_path / "spr"
+    spr.write_text("model name\t: Intel(R) Xeon(R) Platinum 8480C\nflags\t: avx2 avx512f avx512_bf16 amx_tile\n")
+    assert banner.cpu_name(str(spr)) == "Intel(R) Xeon(R) Platinum 8480C, AMX"
+    genoa = tmp_path / "genoa"
+    genoa.write_text("model name\t: AMD EPYC 9R14\nflags\t: avx2 avx512f avx512_bf16\n")
+    assert banner.cpu_name(str(genoa)) == "AMD EPYC 9R14, AVX-512 BF16"
+    assert banner.cpu_name(str(tmp_path / "missing"))  # no /proc: platform's name, never an error
+
+
 def test_format_start_is_one_aligned_line_per_fact():
     text = banner.format_start("sft", model="tiny:tiny", params="1.30M (all trainable)", dtype="fp32",
                                device="cpu, 2 CPU threads", data="64 rows read, 64 used", steps="60 (max_steps)",

@@ -285,7 +285,10 @@ def _stage_configs(cfg: Config, data: dict[str, Any], run_dir: Path, model_spec:
     sft_cfg = _stage_config(sft.Config, {
         "model.path": model_spec, "model.dtype": d.dtype, **lean, "data.path": data["sft"], "data.chat_template": True,
         "data.max_length": 512 if tiny else 2048, "max_steps": d.sft_steps, "batch_size": d.sft_batch_size,
-        "micro_batch_size": d.sft_batch_size if tiny else min(4, d.sft_batch_size), "optim.lr": sft_lr,
+        # micro-batches of 8: sft sorts a step's examples by length before cutting them, so bare
+        # answers (~25 tokens) and worked ones (~55) stop padding each other (a 1500-step SFT
+        # stage 17% faster than one micro-batch of 32 here; 4 is slower again: per-call overhead)
+        "micro_batch_size": min(8, d.sft_batch_size) if tiny else min(4, d.sft_batch_size), "optim.lr": sft_lr,
         "optim.warmup_ratio": 0.05, "seed": d.seed, "device": cfg.device, "run_dir": str(run_dir / "sft"), **logging,
     }, d.sft_overrides, "sft")
     rl_cfg = _stage_config(rl.Config, {
@@ -323,7 +326,7 @@ def _write_summary(cfg: Config, run_dir: Path, data: dict[str, Any], device, *, 
         "eval": {"problems": len(data["records"]), "samples": d.eval_samples, "temperature": 1.0,
                  "accuracy": "mean correctness of all samples at temperature 1 (= pass@1); greedy_accuracy: one greedy answer each"},
         "model": d.model or f"tiny:{d.model_size}", "task": d.task, "seed": d.seed, "device": str(device), "engine": d.engine,
-        "threads": torch.get_num_threads(), "before_model": start_model, "after_model": final_model,
+        "threads": torch.get_num_threads(), "cpu": banner.cpu_name(), "before_model": start_model, "after_model": final_model,
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }
     atomic_write_text(run_dir / "demo.json", json.dumps(summary, indent=2) + "\n")

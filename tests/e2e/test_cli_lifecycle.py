@@ -84,7 +84,7 @@ def test_sft_banner_summary_and_its_resume_command_resumes(tiny_model_dir, tiny_
     proc = run_cli(*args, f"run_dir={run}")
     banner = proc.stderr[proc.stderr.index("relign sft\n"):].splitlines()[:8]
     assert banner[1:3] == [f"  model      {tiny_model_dir}", f"  parameters {tiny_params}"]
-    assert banner[3] == "  dtype      fp32" and banner[4].startswith("  device     cpu, ")
+    assert banner[3] == "  dtype      fp32" and banner[4].startswith("  device     cpu (") and banner[4].endswith(" CPU threads")
     assert banner[5:] == ["  data       8 rows read, 8 used", "  steps      2 (max_steps) x 4 examples",
                           f"  run dir    {run}"]
     summary = proc.stdout[proc.stdout.index("relign sft: done in"):].splitlines()
