@@ -86,6 +86,7 @@ def test_generated_records_are_deterministic_and_correct():
         # solving it with the tool gives reward 1
         out = run(CalculatorEnv().step(rec["prompt"], f"<calc>{expr}</calc>", rec["extra_info"]))
         value = out["next_state"].rsplit("<result>", 1)[1].split("</result>")[0]
+        assert float(value) == float(answer)  # the tool computes the record's answer
         assert run(CalculatorEnv().step(out["next_state"], f"<answer>{value}</answer>", rec["extra_info"]))["reward"] == 1.0
     chat = make_calculator_records(1, seed=3, chat=True)[0]
     assert chat["messages"] == [{"role": "user", "content": recs[0]["prompt"]}]
