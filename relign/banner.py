@@ -199,8 +199,8 @@ def model_size(path: str, *, kind: str = "causal", lora=None, trust_remote_code:
 
 def cpu_name(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The CPU's model name and its widest vector extension, e.g. "AMD EPYC, AVX2" (Linux; else
-    what ``platform`` knows). Timings of small models depend on it: the same 2-core demo ran
-    about 25% longer on an AVX2-only machine than on one with AVX-512 (BENCHMARKS.md)."""
+    what ``platform`` knows). Timings depend on it: 2 cores of an AVX2-only EPYC run fp32 matrix
+    products at 2/3 the rate of 2 cores with AVX-512, and the demo ran 20-25% longer (BENCHMARKS.md)."""
     import platform
 
     name, flags = "", set()

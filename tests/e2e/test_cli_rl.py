@@ -26,6 +26,7 @@ def _changed(a_dir: Path, b_dir: Path) -> int:
     return sum(not torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_runs_learns_and_resumes(preset, tiny_model_dir, tmp_path):
     run = tmp_path / "run"

@@ -46,6 +46,7 @@ def _weights(path) -> dict[str, torch.Tensor]:
     return load_file(str(Path(path) / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_sft_learns_and_checkpoint_reloads(tiny_model_dir, memorize_data, tmp_path):
     run = tmp_path / "run"
     proc = run_cli(*_args(

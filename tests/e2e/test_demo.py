@@ -15,6 +15,8 @@ import pytest
 
 from ..conftest import run_cli
 
+pytestmark = pytest.mark.slow  # the longest end-to-end runs: `pytest -m "not slow"` leaves them out
+
 SHORT = ["demo.threads=1", "demo.max_operand=5", "demo.max_ops=4", "demo.train_problems=2000", "demo.test_problems=100",
          "demo.sft_steps=500", "demo.steps=30", "demo.eval_samples=4", "demo.eval_every=0", "logging.tensorboard=false"]
 

@@ -14,6 +14,8 @@ from relign.tracking import read_metrics
 from ..conftest import REPO, run_cli
 from .test_cli_sft import FACTS, _args
 
+pytestmark = pytest.mark.slow  # the longest end-to-end runs: `pytest -m "not slow"` leaves them out
+
 
 def _torchrun(args, env=None):
     # --standalone: torchrun picks a free port itself (a port probed free here could be taken
@@ -105,6 +107,7 @@ _MIXED_SCRIPT = """
 import sys, torch
 from relign import distributed
 from relign.models.loading import load_causal_lm
+
 distributed.init()
 model = distributed.wrap_fsdp(load_causal_lm(sys.argv[1], dtype="bf16-mixed"))
 seen = {}

@@ -20,6 +20,8 @@ from ..conftest import REPO, run_cli
 from ..rl_toy import toy_overrides
 from .test_distributed import _torchrun
 
+pytestmark = pytest.mark.slow  # the longest end-to-end runs: `pytest -m "not slow"` leaves them out
+
 KEYS = ("reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy")
 
 

@@ -155,6 +155,7 @@ print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'], os.environ['LRU_CACHE_CAPAC
 """
 
 
+@pytest.mark.slow
 def test_bf16_kernels_of_new_shapes_do_not_pile_up():
     """oneDNN caches a bf16 kernel per shape; relign caps its caches at 64 entries (relign/__init__.py),
     which keeps a run with ever-new shapes bounded (600 shapes: +63 MB capped, +397 MB at 1,024 entries,

@@ -52,6 +52,7 @@ def _dpo(model_dir, data, run_dir, *extra):
     return preference.train(cfg)
 
 
+@pytest.mark.slow
 def test_dpo_learns_a_separable_preference(tiny_model_dir, pref_data, tmp_path):
     res = _dpo(tiny_model_dir, pref_data, tmp_path, "max_steps=16", "eval_every=16", "beta=0.5")
     hist = read_metrics(tmp_path)
@@ -67,6 +68,7 @@ def test_dpo_learns_a_separable_preference(tiny_model_dir, pref_data, tmp_path):
     assert res.metrics["eval/rewards/accuracy"] == last["eval/rewards/accuracy"]
 
 
+@pytest.mark.slow
 def test_reward_model_learns_a_separable_preference(tiny_model_dir, pref_data, tmp_path):
     from relign.models.reward import load_scorer, scorer_kind
     from relign.recipes import reward_model

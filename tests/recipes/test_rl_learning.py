@@ -19,12 +19,14 @@ def _run(tiny_model_dir, tmp_path, *extra):
     return [r["reward/mean"] for r in result.history if "reward/mean" in r]
 
 
+@pytest.mark.slow
 def test_dr_grpo_learns(tiny_model_dir, tmp_path):
     rewards = _run(tiny_model_dir, tmp_path, "rollout.n=8", "prompts_per_step=8", "max_steps=30", "optim.lr=1e-2", "seed=1")
     first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
     assert first < 0.35 and last > first + 0.4, rewards
 
 
+@pytest.mark.slow
 def test_ppo_with_critic_learns(tiny_model_dir, tmp_path):
     rewards = _run(
         tiny_model_dir, tmp_path, "algorithm.advantage=gae", "algorithm.loss_agg=token-mean", "critic.lr=1e-2",
@@ -53,6 +55,7 @@ def test_shared_prompt_forwards_do_not_change_the_step(tiny_model_dir, tmp_path)
         assert x == pytest.approx(y, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_vineppo_learns(tiny_model_dir, tmp_path):
     # VinePPO: no critic, Monte-Carlo values from K continuations at every step boundary (a
     # space ends a step here), the same step budget as the GRPO test
@@ -63,6 +66,7 @@ def test_vineppo_learns(tiny_model_dir, tmp_path):
     assert first < 0.35 and last > first + 0.4, rewards
 
 
+@pytest.mark.slow
 def test_trpo_learns(tiny_model_dir, tmp_path):
     # one natural-gradient step per batch in a KL trust region, no optimizer; the toy needs big
     # moves (the GRPO test uses lr 1e-2), so the trust region is wide: delta 0.5, light damping

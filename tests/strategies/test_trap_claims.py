@@ -48,6 +48,8 @@ from relign.strategies.registry import make_strategy
 from .fake_tree_engine import CORRECT_TEXT, ExactVerifier, FakeTokenizer, FakeTreeEngine, NoisyVerifier, fake_task, \
     toy_problems, trap_trees
 
+pytestmark = pytest.mark.slow  # one 40 s fixture runs every strategy on 400 trap trees
+
 N = 400
 MAX_NEW = 64
 TOK = FakeTokenizer()

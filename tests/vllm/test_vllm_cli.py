@@ -13,6 +13,8 @@ from ..conftest import REPO, run_cli, write_jsonl
 from ..e2e.test_distributed import _torchrun
 from ..rl_toy import toy_overrides
 
+pytestmark = pytest.mark.slow  # the longest end-to-end runs: `pytest -m "not slow"` leaves them out
+
 QUIET = ["logging.progress=false", "logging.tensorboard=false"]
 
 
