@@ -24,7 +24,6 @@ import os
 import shlex
 import shutil
 import sys
-import time
 from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,7 +32,6 @@ from typing import Any
 from . import distributed
 
 _state = {"dry_run": False, "depth": 0}
-_IMPORTED_AT = time.time()  # files in a run dir newer than this were written by this process
 
 
 class DryRunDone(Exception):
@@ -58,6 +56,10 @@ def nested():
         yield
     finally:
         _state["depth"] -= 1
+
+
+def is_nested() -> bool:
+    return _state["depth"] > 0
 
 
 def _speaks() -> bool:
@@ -231,15 +233,21 @@ def _device_line(device) -> str:
 
 
 def _discard_new_run_dir(run_dir: Path) -> bool:
-    """Remove a run directory that holds only what this process wrote (a dry run's config.yaml);
-    a directory with anything older (a previous run) is left alone. True when removed."""
+    """Remove what this run's ``open_run`` wrote (``rundir.opened``): the directory it created,
+    or its config file in an empty directory it was given. An earlier run's directory, or one
+    this process did not open, is left alone. True when nothing of the dry run is left."""
+    from .rundir import opened
+
     if not run_dir.is_dir():
         return True
-    files = [p for p in run_dir.rglob("*") if p.is_file() or p.is_symlink()]
-    if any(p.lstat().st_mtime < _IMPORTED_AT - 1 for p in files):
-        return False
-    shutil.rmtree(run_dir, ignore_errors=True)
-    return not run_dir.exists()
+    how, config_name = opened(run_dir) or ("", "")
+    if how == "created":
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return not run_dir.exists()
+    if how == "empty":
+        (run_dir / config_name).unlink(missing_ok=True)
+        return True
+    return False
 
 
 # --------------------------------------------------------------------------- what recipes call

@@ -198,12 +198,33 @@ def on_main_for_all(fn):
     return value
 
 
+def opened(path: Path | str) -> tuple[str, str] | None:
+    """What the latest outermost ``open_run`` of this process found at ``path``, if ``path`` is
+    the directory it returned: ("created" | "empty" | "run", the config file it wrote). A dry
+    run asks it to know what it may remove (``banner.dry_run``): a directory it created, or its
+    config in an empty one, and never an earlier run's."""
+    if _last_open.get("path") == str(path):
+        return _last_open["how"], _last_open["config_name"]
+    return None
+
+
+_last_open: dict[str, str] = {}
+
+
 def _open_on_main(cfg: Any, recipe: str, config_name: str) -> Path:
+    from . import banner
+
     new_config = OmegaConf.to_container(OmegaConf.structured(cfg))
     defaults = OmegaConf.to_container(OmegaConf.structured(type(cfg))) if dataclasses.is_dataclass(cfg) else None
     resume = str(cfg.resume or "") if hasattr(cfg, "resume") else None
-    path, note = choose_run_dir(getattr(cfg, "run_dir", ""), recipe, resume=resume, new_config=new_config,
+    given = getattr(cfg, "run_dir", "")
+    existed = bool(given) and Path(given).is_dir()
+    held = existed and holds_run(Path(given), config_name)
+    path, note = choose_run_dir(given, recipe, resume=resume, new_config=new_config,
                                 config_name=config_name, defaults=defaults)
+    if not banner.is_nested():  # a stage's open (the verifier's SFT, the demo's) reuses its parent's directory
+        how = "created" if not existed or str(path) != str(Path(given)) else "run" if held else "empty"
+        _last_open.update(path=str(path), how=how, config_name=config_name)
     if note:
         print(note, file=sys.stderr, flush=True)
     remove_stale_temps(path)  # a killed save's .tmp-step_* / .old-step_* (only rank 0 writes, and not yet)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +24,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
 
 REPO = Path(__file__).resolve().parents[1]
+_SERVER_ENV = dict(os.environ)  # before any test changed it: the CLI fork server's environment
 
 
 @pytest.fixture(scope="session")
@@ -45,12 +51,89 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+class _ForkServer:
+    """The parent side of ``tests/cli_zygote.py``: one per xdist worker, started on first use."""
+
+    def __init__(self):
+        self.log = tempfile.NamedTemporaryFile(prefix="relign-fork-server-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.cli_zygote"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, cwd=REPO,
+                                     env={**_SERVER_ENV, "PYTHONUNBUFFERED": "1"})
+        self.buf = b""
+        # the imports are done; its environment now includes what they set (torch's, relign's defaults)
+        self.env = self._reply(timeout=300)["env"]
+
+    def _reply(self, timeout: float) -> dict | None:
+        """The next reply line, or None when none came within ``timeout`` seconds."""
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError(f"the CLI fork server (tests/cli_zygote.py) died:\n{Path(self.log.name).read_text()[-3000:]}")
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, args: list[str], env: dict, cwd: Path, stdin: str | None, timeout: float) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory(prefix="relign-cli-") as tmp:
+            files = {name: Path(tmp) / name for name in ("stdin", "stdout", "stderr")}
+            for f in files.values():
+                f.write_text("")
+            files["stdin"].write_text(stdin or "")
+            req = {"args": args, "env": env, "cwd": str(cwd), **{k: str(v) for k, v in files.items()}}
+            self.proc.stdin.write((json.dumps(req) + "\n").encode())
+            self.proc.stdin.flush()
+            pid = self._reply(timeout=60)["pid"]
+            done = self._reply(timeout)
+            if done is None:
+                os.kill(pid, signal.SIGKILL)
+                self._reply(timeout=60)
+                raise subprocess.TimeoutExpired(["relign", *args], timeout)
+            out, err = (files[k].read_text(errors="replace") for k in ("stdout", "stderr"))
+        return subprocess.CompletedProcess([sys.executable, "-m", "relign", *args], done["code"], out, err)
+
+    def close(self):
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+_fork_server: _ForkServer | None = None
+
+
+def run_relign(args, env: dict | None = None, cwd: Path | None = None, stdin: str | None = None,
+               unset: tuple[str, ...] = (), timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m relign ARGS`` as a new process: a fork of the fork server (tests/cli_zygote.py,
+    which has torch and transformers imported already) when the run's environment differs from
+    the server's only in ``RELIGN_*`` variables, read at run time; else a plain subprocess. Set
+    RELIGN_TEST_SUBPROCESS=1 to run every one as a plain subprocess."""
+    global _fork_server
+    args = [str(a) for a in args]
+    full_env = {k: v for k, v in {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}.items() if k not in unset}
+    if hasattr(os, "fork") and not os.environ.get("RELIGN_TEST_SUBPROCESS"):
+        if _fork_server is None or _fork_server.proc.poll() is not None:
+            _fork_server = _ForkServer()
+            atexit.register(_fork_server.close)
+        # what the server's imports set (setdefault), a fresh process's imports would set too
+        child_env = {**{k: v for k, v in _fork_server.env.items() if k not in _SERVER_ENV}, **full_env}
+        changed = {k for k in set(child_env) | set(_fork_server.env) if child_env.get(k) != _fork_server.env.get(k)}
+        if all(k.startswith(("RELIGN_", "PYTEST_")) or k == "PYTHONUNBUFFERED" for k in changed):
+            return _fork_server.run(args, child_env, cwd or REPO, stdin, timeout)
+    return subprocess.run([sys.executable, "-m", "relign", *args], input=stdin, capture_output=True, text=True,
+                          env=full_env, cwd=cwd or REPO, timeout=timeout, stdin=None if stdin is not None else subprocess.DEVNULL)
+
+
 def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    """Run the real command line (``python -m relign ...``) in a subprocess."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, "-m", "relign", *args], capture_output=True, text=True, env=full_env, cwd=cwd or REPO, timeout=600
-    )
+    """Run the real command line (``python -m relign ...``) in a new process (``run_relign``)."""
+    proc = run_relign(args, env=env, cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"relign {' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}")
     return proc

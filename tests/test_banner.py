@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -127,13 +129,34 @@ def test_nested_runs_print_nothing(capsys, tmp_path):
     assert "resume" not in out  # no checkpoint: nothing to resume
 
 
-def test_dry_run_discards_only_a_directory_this_process_wrote(tmp_path, monkeypatch):
-    fresh = tmp_path / "fresh"
-    fresh.mkdir()
-    (fresh / "config.yaml").write_text("x: 1\n")
+@dataclass
+class _RunCfg:
+    run_dir: str = ""
+    resume: str = ""
+    seed: int = 0
+
+
+def test_dry_run_discards_only_what_its_open_run_wrote(tmp_path):
+    """What a dry run removes is what this run's open_run wrote, whatever ran before it in this
+    process (an API user's earlier run, the suite's fork server): never an earlier run's files."""
+    from relign.rundir import open_run
+
+    fresh = open_run(_RunCfg(run_dir=str(tmp_path / "fresh")), "sft")  # created by this open
+    assert (fresh / "config.yaml").is_file()
     assert banner._discard_new_run_dir(fresh) and not fresh.exists()
-    old = tmp_path / "old"
-    (old / "checkpoints").mkdir(parents=True)
-    (old / "checkpoints" / "state.json").write_text("{}")
-    monkeypatch.setattr(banner, "_IMPORTED_AT", (old / "checkpoints" / "state.json").stat().st_mtime + 60)
-    assert not banner._discard_new_run_dir(old) and (old / "checkpoints" / "state.json").is_file()
+
+    given = tmp_path / "given"  # an empty directory the user made: only our config goes
+    given.mkdir()
+    (given / "notes.txt").write_text("mine")
+    open_run(_RunCfg(run_dir=str(given)), "sft")
+    assert banner._discard_new_run_dir(given) and sorted(p.name for p in given.iterdir()) == ["notes.txt"]
+
+    earlier = open_run(_RunCfg(run_dir=str(tmp_path / "run")), "sft")  # a run, written just now in this process
+    (earlier / "metrics.jsonl").write_text("{}\n")
+    again = open_run(_RunCfg(run_dir=str(earlier), resume="auto"), "sft")  # its resume's dry run
+    assert again == earlier and not banner._discard_new_run_dir(earlier)
+    assert sorted(p.name for p in earlier.iterdir()) == ["config.yaml", "metrics.jsonl"]
+    other = tmp_path / "other"  # a directory this process never opened
+    other.mkdir()
+    (other / "config.yaml").write_text("x: 1\n")
+    assert not banner._discard_new_run_dir(other) and (other / "config.yaml").is_file()

@@ -4,17 +4,15 @@ folder, chat, generate, merge-lora, and model errors that name model.path at onc
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 import torch
 
-from ..conftest import REPO, run_cli, write_jsonl
+from ..conftest import REPO, run_cli, run_relign, write_jsonl
 
 PRESETS = REPO / "relign" / "presets"
 
@@ -22,9 +20,7 @@ PRESETS = REPO / "relign" / "presets"
 def cli(*args: str, stdin: str | None = None, cwd: Path | None = None, env: dict | None = None,
         unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """``python -m relign ...`` with text on stdin and environment variables removed if asked."""
-    full_env = {k: v for k, v in {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}.items() if k not in unset}
-    return subprocess.run([sys.executable, "-m", "relign", *args], input=stdin, capture_output=True, text=True,
-                          env=full_env, cwd=cwd or REPO, timeout=300)
+    return run_relign(args, env=env, cwd=cwd, stdin=stdin, unset=unset, timeout=300)
 
 
 def error_line(proc: subprocess.CompletedProcess) -> str:

@@ -1,0 +1,101 @@
+"""A fork server for the suite's ``relign`` runs (``conftest.run_relign``).
+
+A fresh ``python -m relign`` spends 4-7 s of CPU importing torch, transformers and the model
+code before it parses an argument; the suite runs the CLI about two hundred times. This process
+imports all of that once, then forks one child per run. The child is a real process (its own
+exit status, stdin/stdout/stderr files, working directory and environment) that runs
+``python -m relign ARGS`` exactly as the interpreter would (``runpy``, ``__main__``, atexit),
+only without the imports. The server is itself a fresh interpreter, started before any test
+ran, so no test's state reaches a child.
+
+What a fork cannot change is what was read at import time: environment variables other than
+``RELIGN_*``, for one. ``run_relign`` sends such runs to a plain subprocess instead.
+
+Protocol, one JSON line each way per run: the request {args, env, cwd, stdin, stdout, stderr}
+(paths of files); the reply {"pid": N} at once, then {"code": exit status} when the child ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import runpy
+import sys
+import traceback
+
+
+def _preload() -> None:
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers.models.llama import modeling_llama  # noqa: F401
+    from transformers.models.qwen2 import modeling_qwen2  # noqa: F401
+
+    import relign.cli  # noqa: F401
+    from relign.commands import COMMANDS
+    from relign.recipes import RECIPES
+
+    for module in [m for m, _ in RECIPES.values()] + [m for m, _, _ in COMMANDS.values()]:
+        importlib.import_module(module)
+
+
+def _child(req: dict, protocol: tuple[int, int]) -> None:
+    code = 1
+    try:
+        for fd in protocol:
+            os.close(fd)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        for fd, path, flags in ((0, req["stdin"], os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_TRUNC),
+                                (2, req["stderr"], os.O_WRONLY | os.O_TRUNC)):
+            f = os.open(path, flags)
+            os.dup2(f, fd)
+            os.close(f)
+        sys.path[0] = os.getcwd()  # what `python -m` puts first
+        sys.argv = ["-m", *req["args"]]
+        try:
+            runpy.run_module("relign", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
+        except BaseException:  # what the interpreter does with an uncaught exception
+            traceback.print_exc()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def main() -> None:
+    # the protocol runs on copies of stdin/stdout; the children's fds 0-2 are their own files
+    rfd, wfd = os.dup(0), os.dup(1)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    os.close(null)
+    _preload()
+    requests, replies = os.fdopen(rfd, "r"), os.fdopen(wfd, "w")
+    replies.write(json.dumps({"env": dict(os.environ)}) + "\n")
+    replies.flush()
+    for line in requests:
+        req = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(req, (rfd, wfd))
+        replies.write(json.dumps({"pid": pid}) + "\n")
+        replies.flush()
+        _, status = os.waitpid(pid, 0)
+        replies.write(json.dumps({"code": os.waitstatus_to_exitcode(status)}) + "\n")
+        replies.flush()
+
+
+if __name__ == "__main__":
+    main()
