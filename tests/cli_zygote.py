@@ -11,8 +11,12 @@ ran, so no test's state reaches a child.
 What a fork cannot change is what was read at import time: environment variables other than
 ``RELIGN_*``, for one. ``run_relign`` sends such runs to a plain subprocess instead.
 
-Protocol, one JSON line each way per run: the request {args, env, cwd, stdin, stdout, stderr}
-(paths of files); the reply {"pid": N} at once, then {"code": exit status} when the child ends.
+A run on several ranks (``ranks``: each rank's extra environment, torchrun's variables) forks
+one child per rank; when one fails the others are killed, as torchrun does.
+
+Protocol, one JSON line each way per run: the request {args, env, cwd, stdin, stdout, stderr
+(paths of files), ranks}; the reply {"pids": [...]} at once, then {"code", "codes"} when the
+children have ended (code: the first non-zero status, else 0).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import importlib
 import json
 import os
 import runpy
+import signal
 import sys
 import traceback
 
@@ -40,16 +45,17 @@ def _preload() -> None:
         importlib.import_module(module)
 
 
-def _child(req: dict, protocol: tuple[int, int]) -> None:
+def _child(req: dict, rank_env: dict, protocol: tuple[int, int]) -> None:
     code = 1
     try:
         for fd in protocol:
             os.close(fd)
         os.chdir(req["cwd"])
         os.environ.clear()
-        os.environ.update(req["env"])
-        for fd, path, flags in ((0, req["stdin"], os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_TRUNC),
-                                (2, req["stderr"], os.O_WRONLY | os.O_TRUNC)):
+        os.environ.update({**req["env"], **rank_env})
+        # the ranks of one run share stdout and stderr, as torchrun's workers share its own
+        for fd, path, flags in ((0, req["stdin"], os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_APPEND),
+                                (2, req["stderr"], os.O_WRONLY | os.O_APPEND)):
             f = os.open(path, flags)
             os.dup2(f, fd)
             os.close(f)
@@ -72,6 +78,25 @@ def _child(req: dict, protocol: tuple[int, int]) -> None:
         os._exit(code)
 
 
+def _wait_all(pids: list[int]) -> list[int]:
+    """Exit statuses of ``pids``; once one fails, the others are killed (torchrun's rule: a rank
+    waiting in a collective for a dead one would wait forever)."""
+    codes: dict[int, int] = {}
+    while len(codes) < len(pids):
+        pid, status = os.wait()
+        if pid not in pids:
+            continue
+        codes[pid] = os.waitstatus_to_exitcode(status)
+        if codes[pid] != 0:
+            for other in pids:
+                if other not in codes:
+                    try:
+                        os.kill(other, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+    return [codes[p] for p in pids]
+
+
 def main() -> None:
     # the protocol runs on copies of stdin/stdout; the children's fds 0-2 are their own files
     rfd, wfd = os.dup(0), os.dup(1)
@@ -87,15 +112,17 @@ def main() -> None:
         req = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            _child(req, (rfd, wfd))
-        replies.write(json.dumps({"pid": pid}) + "\n")
+        pids = []
+        for rank_env in req.get("ranks") or [{}]:
+            pid = os.fork()
+            if pid == 0:
+                _child(req, rank_env, (rfd, wfd))
+            pids.append(pid)
+        replies.write(json.dumps({"pids": pids}) + "\n")
         replies.flush()
-        _, status = os.waitpid(pid, 0)
-        replies.write(json.dumps({"code": os.waitstatus_to_exitcode(status)}) + "\n")
+        codes = _wait_all(pids)
+        replies.write(json.dumps({"code": next((c for c in codes if c != 0), 0), "codes": codes}) + "\n")
         replies.flush()
-
 
 if __name__ == "__main__":
     main()

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -78,19 +79,22 @@ class _ForkServer:
         line, self.buf = self.buf.split(b"\n", 1)
         return json.loads(line)
 
-    def run(self, args: list[str], env: dict, cwd: Path, stdin: str | None, timeout: float) -> subprocess.CompletedProcess:
+    def run(self, args: list[str], env: dict, cwd: Path, stdin: str | None, timeout: float,
+            ranks: list[dict] | None = None) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory(prefix="relign-cli-") as tmp:
             files = {name: Path(tmp) / name for name in ("stdin", "stdout", "stderr")}
             for f in files.values():
                 f.write_text("")
             files["stdin"].write_text(stdin or "")
-            req = {"args": args, "env": env, "cwd": str(cwd), **{k: str(v) for k, v in files.items()}}
+            req = {"args": args, "env": env, "cwd": str(cwd), "ranks": ranks, **{k: str(v) for k, v in files.items()}}
             self.proc.stdin.write((json.dumps(req) + "\n").encode())
             self.proc.stdin.flush()
-            pid = self._reply(timeout=60)["pid"]
+            pids = self._reply(timeout=60)["pids"]
             done = self._reply(timeout)
             if done is None:
-                os.kill(pid, signal.SIGKILL)
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 self._reply(timeout=60)
                 raise subprocess.TimeoutExpired(["relign", *args], timeout)
             out, err = (files[k].read_text(errors="replace") for k in ("stdout", "stderr"))
@@ -110,11 +114,16 @@ _fork_server: _ForkServer | None = None
 
 
 def run_relign(args, env: dict | None = None, cwd: Path | None = None, stdin: str | None = None,
-               unset: tuple[str, ...] = (), timeout: float = 600) -> subprocess.CompletedProcess:
+               unset: tuple[str, ...] = (), timeout: float = 600, ranks: int = 1) -> subprocess.CompletedProcess:
     """``python -m relign ARGS`` as a new process: a fork of the fork server (tests/cli_zygote.py,
     which has torch and transformers imported already) when the run's environment differs from
     the server's only in ``RELIGN_*`` variables, read at run time; else a plain subprocess. Set
-    RELIGN_TEST_SUBPROCESS=1 to run every one as a plain subprocess."""
+    RELIGN_TEST_SUBPROCESS=1 to run every one as a plain subprocess.
+
+    ``ranks`` > 1: that many ranks, as ``torchrun --standalone --nproc_per_node RANKS`` starts
+    them: forked with torchrun's environment, rendezvousing at a TCP store this process holds
+    (torchrun's agent store: bound to a free port by the OS, so no port is probed and lost to a
+    race), or torchrun itself in the subprocess case."""
     global _fork_server
     args = [str(a) for a in args]
     full_env = {k: v for k, v in {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}.items() if k not in unset}
@@ -126,8 +135,22 @@ def run_relign(args, env: dict | None = None, cwd: Path | None = None, stdin: st
         child_env = {**{k: v for k, v in _fork_server.env.items() if k not in _SERVER_ENV}, **full_env}
         changed = {k for k in set(child_env) | set(_fork_server.env) if child_env.get(k) != _fork_server.env.get(k)}
         if all(k.startswith(("RELIGN_", "PYTEST_")) or k == "PYTHONUNBUFFERED" for k in changed):
-            return _fork_server.run(args, child_env, cwd or REPO, stdin, timeout)
-    return subprocess.run([sys.executable, "-m", "relign", *args], input=stdin, capture_output=True, text=True,
+            if ranks == 1:
+                return _fork_server.run(args, child_env, cwd or REPO, stdin, timeout)
+            from torch.distributed import TCPStore
+
+            store = TCPStore("127.0.0.1", 0, ranks, True, timedelta(seconds=timeout), wait_for_workers=False)
+            shared = {"WORLD_SIZE": ranks, "LOCAL_WORLD_SIZE": ranks, "ROLE_WORLD_SIZE": ranks, "GROUP_RANK": 0,
+                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": store.port, "TORCHELASTIC_USE_AGENT_STORE": "True",
+                      "TORCHELASTIC_RESTART_COUNT": 0, "TORCHELASTIC_MAX_RESTARTS": 0, "TORCHELASTIC_RUN_ID": "none"}
+            per_rank = [{k: str(v) for k, v in {**shared, "RANK": r, "LOCAL_RANK": r, "ROLE_RANK": r}.items()}
+                        for r in range(ranks)]
+            try:
+                return _fork_server.run(args, child_env, cwd or REPO, stdin, timeout, ranks=per_rank)
+            finally:
+                del store
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)] if ranks > 1 else []
+    return subprocess.run([sys.executable, *launcher, "-m", "relign", *args], input=stdin, capture_output=True, text=True,
                           env=full_env, cwd=cwd or REPO, timeout=timeout, stdin=None if stdin is not None else subprocess.DEVNULL)
 
 

@@ -67,7 +67,7 @@ def test_two_ranks_with_one_engine_each_match_one_rank(vllm_model_dir, tmp_path)
             "traces_per_step=0", "checkpoint.save_final=false"]
     one, two = tmp_path / "one", tmp_path / "two"
     run_cli(*args, f"run_dir={one}")
-    proc = _torchrun([*args, f"run_dir={two}"])
+    proc = _torchrun([*args, f"run_dir={two}"], real=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = _rows(one, "actor/loss"), _rows(two, "actor/loss")
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
