@@ -127,7 +127,7 @@ def run_relign(args, env: dict | None = None, cwd: Path | None = None, stdin: st
     global _fork_server
     args = [str(a) for a in args]
     full_env = {k: v for k, v in {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}.items() if k not in unset}
-    if hasattr(os, "fork") and not os.environ.get("RELIGN_TEST_SUBPROCESS"):
+    if sys.platform.startswith("linux") and not os.environ.get("RELIGN_TEST_SUBPROCESS"):  # fork after imports: Linux
         if _fork_server is None or _fork_server.proc.poll() is not None:
             _fork_server = _ForkServer()
             atexit.register(_fork_server.close)
@@ -174,3 +174,10 @@ def torch_threads(n: int):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first (a stable sort: a module's tests stay together): xdist then starts the
+    longest runs at once and packs the short ones around them, instead of one worker finishing
+    a long test alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
