@@ -177,7 +177,9 @@ def torch_threads(n: int):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The slow tests first (a stable sort: a module's tests stay together): xdist then starts the
-    longest runs at once and packs the short ones around them, instead of one worker finishing
-    a long test alone at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The slow tests first (a stable sort): with ``--dist loadscope`` (pyproject's addopts), xdist
+    hands out whole modules in this order, one at a time as a worker frees up, so the longest
+    runs start at once and the short modules pack around them. (Plain ``--dist load`` gives
+    each worker a chunk of consecutive tests up front: the slow tests would all land on one.)"""
+    if config.getoption("dist", "no") == "loadscope":
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
