@@ -116,8 +116,10 @@ _fork_server: _ForkServer | None = None
 def run_relign(args, env: dict | None = None, cwd: Path | None = None, stdin: str | None = None,
                unset: tuple[str, ...] = (), timeout: float = 600, ranks: int = 1) -> subprocess.CompletedProcess:
     """``python -m relign ARGS`` as a new process: a fork of the fork server (tests/cli_zygote.py,
-    which has torch and transformers imported already) when the run's environment differs from
-    the server's only in ``RELIGN_*`` variables, read at run time; else a plain subprocess. Set
+    which has torch and transformers imported already) when what the test asks of the
+    environment (``env``, ``unset``) differs from the server's only in ``RELIGN_*`` variables,
+    read at run time; else a plain subprocess. The run's environment is the suite's at start
+    plus ``env``: pass variables there (``monkeypatch.setenv`` does not reach a run). Set
     RELIGN_TEST_SUBPROCESS=1 to run every one as a plain subprocess.
 
     ``ranks`` > 1: that many ranks, as ``torchrun --standalone --nproc_per_node RANKS`` starts
@@ -126,15 +128,17 @@ def run_relign(args, env: dict | None = None, cwd: Path | None = None, stdin: st
     race), or torchrun itself in the subprocess case."""
     global _fork_server
     args = [str(a) for a in args]
-    full_env = {k: v for k, v in {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}.items() if k not in unset}
+    # Every run starts from the suite's environment, plus what the test passes: never from
+    # what an earlier in-process test left in os.environ (vLLM's import sets VLLM_* variables).
+    full_env = {k: v for k, v in {**_SERVER_ENV, "PYTHONUNBUFFERED": "1", **(env or {})}.items() if k not in unset}
     if sys.platform.startswith("linux") and not os.environ.get("RELIGN_TEST_SUBPROCESS"):  # fork after imports: Linux
         if _fork_server is None or _fork_server.proc.poll() is not None:
             _fork_server = _ForkServer()
             atexit.register(_fork_server.close)
-        # what the server's imports set (setdefault), a fresh process's imports would set too
-        child_env = {**{k: v for k, v in _fork_server.env.items() if k not in _SERVER_ENV}, **full_env}
-        changed = {k for k in set(child_env) | set(_fork_server.env) if child_env.get(k) != _fork_server.env.get(k)}
-        if all(k.startswith(("RELIGN_", "PYTEST_")) or k == "PYTHONUNBUFFERED" for k in changed):
+        # the server's environment includes what its imports set (setdefault), as a fresh process's would
+        child_env = {k: v for k, v in {**_fork_server.env, **(env or {})}.items() if k not in unset}
+        changed = {k for k in set(env or {}) | set(unset) if child_env.get(k) != _fork_server.env.get(k)}
+        if all(k.startswith("RELIGN_") for k in changed):
             if ranks == 1:
                 return _fork_server.run(args, child_env, cwd or REPO, stdin, timeout)
             from torch.distributed import TCPStore
@@ -177,9 +181,15 @@ def torch_threads(n: int):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The slow tests first (a stable sort): with ``--dist loadscope`` (pyproject's addopts), xdist
-    hands out whole modules in this order, one at a time as a worker frees up, so the longest
-    runs start at once and the short modules pack around them. (Plain ``--dist load`` gives
-    each worker a chunk of consecutive tests up front: the slow tests would all land on one.)"""
-    if config.getoption("dist", "no") == "loadscope":
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """Modules with the most slow tests first (a stable sort): with ``--dist loadscope
+    --no-loadscope-reorder`` (pyproject's addopts), xdist hands out whole modules in this order
+    as workers free up, so the longest runs start at once and the short modules pack around
+    them. (Plain ``--dist load`` gives each worker a chunk of consecutive tests up front, and
+    loadscope's own reorder puts the modules with the most tests first, slow or not.)"""
+    if config.getoption("dist", "no") != "loadscope":
+        return
+    slow: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        slow[module] = slow.get(module, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])
