@@ -186,10 +186,23 @@ def pytest_collection_modifyitems(config, items):
     as workers free up, so the longest runs start at once and the short modules pack around
     them. (Plain ``--dist load`` gives each worker a chunk of consecutive tests up front, and
     loadscope's own reorder puts the modules with the most tests first, slow or not.)"""
-    if config.getoption("dist", "no") != "loadscope":
+    dist = getattr(config, "workerinput", {}).get("relign_dist") or config.getoption("dist", "no")
+    if dist != "loadscope":
         return
     slow: dict[str, int] = {}
     for item in items:
         module = item.nodeid.split("::")[0]
         slow[module] = slow.get(module, 0) + (item.get_closest_marker("slow") is not None)
     items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])
+
+
+class _TellWorkersTheDist:
+    @staticmethod
+    def pytest_configure_node(node):
+        """xdist's controller: a worker's own ``dist`` option reads "no"; it sorts by this one."""
+        node.workerinput["relign_dist"] = node.config.getoption("dist")
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_TellWorkersTheDist())
