@@ -114,13 +114,14 @@ _fork_server: _ForkServer | None = None
 
 
 def run_relign(args, env: dict | None = None, cwd: Path | None = None, stdin: str | None = None,
-               unset: tuple[str, ...] = (), timeout: float = 600, ranks: int = 1) -> subprocess.CompletedProcess:
+               unset: tuple[str, ...] = (), timeout: float = 600, ranks: int = 1, fork: bool = True
+               ) -> subprocess.CompletedProcess:
     """``python -m relign ARGS`` as a new process: a fork of the fork server (tests/cli_zygote.py,
     which has torch and transformers imported already) when what the test asks of the
     environment (``env``, ``unset``) differs from the server's only in ``RELIGN_*`` variables,
     read at run time; else a plain subprocess. The run's environment is the suite's at start
     plus ``env``: pass variables there (``monkeypatch.setenv`` does not reach a run). Set
-    RELIGN_TEST_SUBPROCESS=1 to run every one as a plain subprocess.
+    RELIGN_TEST_SUBPROCESS=1 (or ``fork=False``) for a plain subprocess.
 
     ``ranks`` > 1: that many ranks, as ``torchrun --standalone --nproc_per_node RANKS`` starts
     them: forked with torchrun's environment, rendezvousing at a TCP store this process holds
@@ -131,7 +132,7 @@ def run_relign(args, env: dict | None = None, cwd: Path | None = None, stdin: st
     # Every run starts from the suite's environment, plus what the test passes: never from
     # what an earlier in-process test left in os.environ (vLLM's import sets VLLM_* variables).
     full_env = {k: v for k, v in {**_SERVER_ENV, "PYTHONUNBUFFERED": "1", **(env or {})}.items() if k not in unset}
-    if sys.platform.startswith("linux") and not os.environ.get("RELIGN_TEST_SUBPROCESS"):  # fork after imports: Linux
+    if fork and sys.platform.startswith("linux") and not os.environ.get("RELIGN_TEST_SUBPROCESS"):  # fork: Linux
         if _fork_server is None or _fork_server.proc.poll() is not None:
             _fork_server = _ForkServer()
             atexit.register(_fork_server.close)

@@ -18,16 +18,11 @@ pytestmark = pytest.mark.slow  # the longest end-to-end runs: `pytest -m "not sl
 
 
 def _torchrun(args, env=None, real=False):
-    """``torchrun --standalone --nproc_per_node 2 -m relign ARGS``: torchrun itself when ``real``,
-    else two ranks forked with torchrun's environment (conftest.run_relign: 15 s less of imports
-    per run). The tests that resume across world sizes keep the real launcher."""
-    env = {"OMP_NUM_THREADS": "1", **(env or {})}
-    if not real:
-        return run_relign(args, env=env, ranks=2)
-    # --standalone: torchrun picks a free port itself (a port probed free here could be taken
-    # by another process before torchrun binds it)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "relign", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600, env={**os.environ, **env})
+    """``torchrun --standalone --nproc_per_node 2 -m relign ARGS``: torchrun itself when ``real``
+    (it picks a free port itself), else two ranks forked with torchrun's environment
+    (conftest.run_relign: 15 s less of imports per run). The tests that resume across world
+    sizes keep the real launcher."""
+    return run_relign(args, env={"OMP_NUM_THREADS": "1", **(env or {})}, ranks=2, fork=not real)
 
 
 @pytest.fixture()
