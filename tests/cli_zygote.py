@@ -1,12 +1,13 @@
 """A fork server for the suite's ``relign`` runs (``conftest.run_relign``).
 
 A fresh ``python -m relign`` spends 4-7 s of CPU importing torch, transformers and the model
-code before it parses an argument; the suite runs the CLI about two hundred times. This process
+code before it parses an argument; the suite starts the CLI about 160 times. This process
 imports all of that once, then forks one child per run. The child is a real process (its own
 exit status, stdin/stdout/stderr files, working directory and environment) that runs
 ``python -m relign ARGS`` exactly as the interpreter would (``runpy``, ``__main__``, atexit),
-only without the imports. The server is itself a fresh interpreter, started before any test
-ran, so no test's state reaches a child.
+only without the imports. The server is itself a fresh interpreter, started with the suite's
+environment as it was before any test ran, and it never runs a test's code, so no test's state
+reaches a child.
 
 What a fork cannot change is what was read at import time: environment variables other than
 ``RELIGN_*``, for one. ``run_relign`` sends such runs to a plain subprocess instead.
