@@ -1,7 +1,9 @@
-"""The built-in HF engine: its own decode step (``rollout.fast_decode=true``) vs the model's forward.
+"""The built-in HF engine: its own decode step (``rollout.fast_decode=true``) vs the model's forward,
+and both against the engine as it was when issue 15 was filed (``--baseline``).
 
     python bench/hf_engine.py                 # GRPO bench shape: 4 prompts x G=8 x 128 tokens, 7 repeats
     python bench/hf_engine.py --prompts 64    # a large batch: 512 rows at once
+    python bench/hf_engine.py --baseline none # only the two current modes
 
 Both sides are built as the RL recipe builds its engine (``relign.recipes.build.engine_for``,
 public API) on the same tiny random Qwen2 model (``relign.models.tiny``, "small", 10.4M
@@ -14,6 +16,14 @@ training questions, so both see the same machine state; one untimed call each fi
 every round: exactly the forced number of tokens on both sides, and how much of each row is
 identical (the same seeds; a row parts only where a uniform falls within float rounding of a
 step of the CDF, after which its continuation differs).
+
+The baseline (``--baseline REV``, default ``c54633a``, the last commit before the RL-core work
+and issue 15's engine changes): that commit's ``relign/rollout/engine.py`` and
+``hf_engine.py``, read with ``git show`` into a scratch package and driven through that
+version's own public ``HFEngine.generate`` on the same model object, in the same rotation.
+That engine ran transformers' forward at every token over a stock ``DynamicCache`` (which
+concatenates the whole cache at every token) under ``no_grad``; it took one seed per call
+(per-prompt seeds came later), so its tokens are not compared with the others', only counted.
 Reported: median and range of tokens/s over the repeats, and the ratio of the medians.
 Output: a markdown table on stdout and bench/results/hf_engine.json. Nothing is downloaded.
 """
@@ -36,6 +46,26 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parent.parent
 GSM8K = REPO / "relign" / "envs" / "data" / "gsm8k_train_512.jsonl"
 RESULTS = REPO / "bench" / "results" / "hf_engine.json"
+BASELINE = "c54633a"  # the engine when issue 15 was filed: model forward + DynamicCache at every token
+
+
+def engine_at(rev: str):
+    """The ``HFEngine`` and ``SamplingParams`` classes of revision ``rev``, loaded from ``git show``
+    into a scratch package (``relign_at_<rev>.rollout``), so they run beside today's."""
+    import importlib
+    import subprocess
+
+    pkg = Path(tempfile.mkdtemp(prefix="hf-engine-baseline-")) / f"relign_at_{rev}"
+    (pkg / "rollout").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "rollout" / "__init__.py").write_text("")
+    for name in ("engine.py", "hf_engine.py"):
+        src = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:relign/rollout/{name}"], check=True,
+                             capture_output=True, text=True).stdout
+        (pkg / "rollout" / name).write_text(src)
+    sys.path.insert(0, str(pkg.parent))
+    hf = importlib.import_module(f"{pkg.name}.rollout.hf_engine")
+    return hf.HFEngine, importlib.import_module(f"{pkg.name}.rollout.engine").SamplingParams
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--baseline", default=BASELINE, help="a git revision whose HF engine joins the rotation, or 'none'")
     a = p.parse_args(argv)
 
     import torch
@@ -67,17 +98,29 @@ def main(argv: list[str] | None = None) -> None:
     engines = {mode: engine_for("hf", policy, tok, max_batch_rows=256, seed=0, m=ModelConfig(path=model_dir),
                                 fast_decode=(mode == "fast")) for mode in ("fast", "forward")}
     params = SamplingParams(n=a.group, temperature=1.0, max_new_tokens=a.max_new_tokens, ignore_eos=True)
+    base = None
+    if a.baseline != "none":
+        BaseEngine, BaseParams = engine_at(a.baseline)
+        base = BaseEngine(policy, tok, max_batch_rows=256, seed=0)
+
+    def generate(mode: str, batch: list[list[int]], seeds: list[int]):
+        if mode == "baseline":  # that version took one seed per call
+            return base.generate(batch, BaseParams(n=a.group, temperature=1.0, max_new_tokens=a.max_new_tokens,
+                                                   ignore_eos=True, seed=seeds[0]))
+        return engines[mode].generate(batch, params, seeds=seeds)
+
+    modes = [*engines, *(["baseline"] if base is not None else [])]
     tokens = a.prompts * a.group * a.max_new_tokens
-    times: dict[str, list[float]] = {m: [] for m in engines}
+    times: dict[str, list[float]] = {m: [] for m in modes}
     agree: list[float] = []
     for rnd in range(a.repeats + 1):  # round 0: untimed warm-up
         start = (rnd * a.prompts) % (len(prompts) - a.prompts)
         batch = prompts[start : start + a.prompts]
         seeds = [derive_seed(rnd, i) for i in range(len(batch))]
         outs = {}
-        for mode in (("fast", "forward") if rnd % 2 == 0 else ("forward", "fast")):
+        for mode in modes[rnd % len(modes):] + modes[: rnd % len(modes)]:  # each mode takes each place in turn
             t0 = time.perf_counter()
-            outs[mode] = engines[mode].generate(batch, params, seeds=seeds)
+            outs[mode] = generate(mode, batch, seeds)
             if rnd:
                 times[mode].append(time.perf_counter() - t0)
         ids = {m: [c.token_ids for g in o for c in g] for m, o in outs.items()}
@@ -100,6 +143,10 @@ def main(argv: list[str] | None = None) -> None:
                 "load_avg_after": os.getloadavg()},
         "seconds": times, "tokens_per_s": tps, "median_tokens_per_s": med,
         "speedup_fast_over_forward": med["fast"] / med["forward"],
+        "baseline": None if a.baseline == "none" else a.baseline,
+        "speedup_fast_over_baseline": med["fast"] / med["baseline"] if "baseline" in med else None,
+        # the same round's calls ran on the same prompts and machine state: their ratio is the least noisy
+        "per_round_fast_over_baseline": [b / f for f, b in zip(times["fast"], times["baseline"])] if "baseline" in med else None,
         "tokens_before_first_difference_share": agree,
     }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -108,11 +155,19 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nHF engine: {a.prompts} prompts x G={a.group} x {a.max_new_tokens} tokens, tiny qwen2 'small' fp32, "
           f"{a.threads} threads, {a.repeats} alternating repeats, median (range)\n")
     print("| decode step | tokens/s |\n|---|---:|")
-    for m, label in (("forward", "the model's forward (`rollout.fast_decode=false`)"), ("fast", "relign's own step (default)")):
+    rows = [("baseline", f"the engine at {a.baseline} (issue 15 filed): model forward, `DynamicCache`"),
+            ("forward", "the model's forward (`rollout.fast_decode=false`)"), ("fast", "relign's own step (default)")]
+    for m, label in rows:
+        if m not in med:
+            continue
         print(f"| {label} | {med[m]:,.0f} ({min(tps[m]):,.0f}–{max(tps[m]):,.0f}) |")
     print(f"\nfast / forward: {out['speedup_fast_over_forward']:.2f}x; tokens sampled identically before a row's first "
           f"difference: {100 * min(agree):.1f}-{100 * max(agree):.1f}% (float rounding at a CDF step); load average after: "
           f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if "baseline" in med:
+        paired = out["per_round_fast_over_baseline"]
+        print(f"fast / the engine at {a.baseline}: {out['speedup_fast_over_baseline']:.2f}x (per round: median "
+              f"{_median(paired):.2f}x, {min(paired):.2f}-{max(paired):.2f}x)")
 
 
 if __name__ == "__main__":

@@ -132,3 +132,44 @@ def test_shared_prefix_equals_full_rows(tiny_model_dir):
     torch.testing.assert_close(shared_ent, full_ent * resp, atol=1e-5, rtol=0)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_right_padding_runs_without_a_mask_and_equals_each_row_alone(tiny_model_dir, monkeypatch):
+    """A right-padded attention mask is dropped (SDPA's causal kernel, grouped K/V unrepeated):
+    each row's log-probs and the summed gradients equal those of the row run alone, unpadded.
+    A mask with a pad before a real token (left padding) is kept."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from relign.models.logprobs import right_padded, token_logps
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped-query heads
+    g = torch.Generator().manual_seed(0)
+    lens = [12, 7, 9]
+    ids = torch.randint(3, 1000, (3, 12), generator=g)
+    mask = (torch.arange(12)[None] < torch.tensor(lens)[:, None]).long()
+    ids = ids.masked_fill(mask == 0, 0)
+    target = mask.clone()
+    target[:, :3] = 0
+    sdpa, seen = F.scaled_dot_product_attention, []
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **k: seen.append(k.get("attn_mask")) or sdpa(*a, **k))
+    batch, _ = token_logps(model, ids, attention_mask=mask, target_mask=target)
+    assert seen and all(m is None for m in seen)
+    (-(batch * target).sum()).backward()
+    batch_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    for i, n in enumerate(lens):
+        alone, _ = token_logps(model, ids[i : i + 1, :n], target_mask=target[i : i + 1, :n])
+        torch.testing.assert_close(batch[i, :n], alone[0], atol=1e-5, rtol=0)
+        assert (batch[i, n:] == 0).all()
+        (-(alone * target[i : i + 1, :n]).sum()).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(batch_grads[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
+
+    left = mask.flip(-1)
+    assert right_padded(mask) and not right_padded(left) and right_padded(torch.ones(2, 4))
+    seen.clear()
+    token_logps(model, ids.flip(-1), attention_mask=left, target_mask=target.flip(-1))
+    assert seen and all(m is not None for m in seen)
