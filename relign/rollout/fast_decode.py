@@ -18,12 +18,19 @@ over the cached keys (grouped-query heads without repeating K/V). The prefill st
 through the model's forward. The numbers equal the model's forward to float rounding (the
 engine's log-probs are tested against the trainer's).
 
-The step reads the model's own parameters at every call (no copies), so an engine that
-shares the trainer's module samples from the weights of the last update, whatever optimizer
-made it. (Fused [W_q; W_k; W_v] and [W_g; W_u] copies measured only 3% faster on CPU, and an
-in-place fused AdamW step does not bump a parameter's version counter, so copies could not
-tell when they went stale.) A model this does not cover (another architecture, LoRA or quantized layers,
-sliding-window attention) keeps the model's own forward.
+The products run on copies of the weights made at the start of each ``generate`` call
+(``Weights``): [W_q; W_k; W_v]^T, W_o^T, [W_g; W_u]^T, W_d^T and W_lm^T, transposed to
+[in, out] and contiguous, in the dtype the model computes in. On a 2-core CPU, at the GRPO
+bench's 32 rows, the fused and transposed products made the rollout 4-5% faster with the same
+tokens (BENCHMARKS.md, HF engine). The copies live for one call and are never reused: an engine that
+shares the trainer's module must sample from the weights of the last update, and an in-place
+fused AdamW step does not bump a parameter's version counter, so a copy kept across calls could
+not tell it went stale. (Copies kept across calls were measured before and dropped for that
+reason.) Their cost: one pass over the weights per call, about what two or three decode steps of
+one row read, and the linear weights' bytes again while the call runs (under ``bf16-mixed``, in
+bf16: half of them). In the RL loop that stays under the training phase's peak: the gradients
+(the same bytes) are freed after every optimizer step, before the next rollout. A model this does not cover (another architecture, LoRA or quantized
+layers, sliding-window attention) keeps the model's own forward.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..models.precision import autocast_of
+from ..models.precision import autocast_of, compute_dtype
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -68,8 +75,33 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+class Weights:
+    """One ``generate`` call's copies of a model's projections (see the module docstring): per
+    layer the (weight [in, out], bias or None) pairs of qkv, o, gate-up and down; and the head's."""
+
+    def __init__(self, model):
+        dtype = compute_dtype(model)
+
+        def fused(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+            w = torch.cat([x.weight.detach() for x in linears]).t().to(dtype).contiguous()
+            b = None if linears[0].bias is None else torch.cat([x.bias.detach() for x in linears]).to(dtype)
+            return w, b
+
+        self.layers = []
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append((fused(a.q_proj, a.k_proj, a.v_proj), fused(a.o_proj), fused(m.gate_proj, m.up_proj),
+                                fused(m.down_proj)))
+        self.lm = fused(model.lm_head)
+
+
+def _linear(x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    w, b = wb
+    return x @ w if b is None else torch.addmm(b, x, w)
+
+
 class FastDecoder:
-    """``step(tokens, positions, mask_bias, cache) -> logits`` for one new token per row."""
+    """``step(tokens, positions, mask_bias, cache, weights) -> logits`` for one new token per row."""
 
     def __init__(self, model):
         self.model = model
@@ -79,23 +111,29 @@ class FastDecoder:
         self.Hkv = getattr(cfg, "num_key_value_heads", None) or self.H
         self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, mask_bias: torch.Tensor, cache) -> torch.Tensor:
-        """tokens, positions [R]; mask_bias [R, L] additive (0 or -inf) over the cache's columns
-        after this token is written; ``cache``: the engine's ``DynamicCache`` of ``GrowingLayer``s.
-        Returns the next-token logits [R, V]."""
-        with autocast_of(self.model):  # model.dtype=bf16-mixed: compute as the model's forward does
-            return self._step(tokens, positions, mask_bias, cache)
+    def weights(self) -> Weights:
+        """This call's weight copies: make them after the last update, once per ``generate``."""
+        return Weights(self.model)
 
-    def _step(self, tokens, positions, mask_bias, cache) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, mask_bias: torch.Tensor, cache, weights: Weights
+             ) -> torch.Tensor:
+        """tokens, positions [R]; mask_bias [R, L] additive (0 or -inf) over the cache's columns
+        after this token is written; ``cache``: the engine's ``DynamicCache`` of ``GrowingLayer``s;
+        ``weights``: ``self.weights()`` of this call. Returns the next-token logits [R, V]."""
+        with autocast_of(self.model):  # model.dtype=bf16-mixed: compute as the model's forward does
+            return self._step(tokens, positions, mask_bias, cache, weights)
+
+    def _step(self, tokens, positions, mask_bias, cache, weights: Weights) -> torch.Tensor:
         R, H, Hkv, D = tokens.shape[0], self.H, self.Hkv, self.D
         g = H // Hkv
         h = self.inner.embed_tokens(tokens)  # [R, hidden]
         cos, sin = self.inner.rotary_emb(h, positions[:, None])  # [R, 1, D]
         bias = mask_bias[:, None, None, :].to(h.dtype)  # [R, 1, 1, L]
-        for layer, kv in zip(self.inner.layers, cache.layers):
-            a, m = layer.self_attn, layer.mlp
+        for layer, kv, (qkv, o_proj, gate_up, down) in zip(self.inner.layers, cache.layers, weights.layers):
+            a = layer.self_attn
             x = layer.input_layernorm(h)
-            q, k, v = a.q_proj(x).view(R, H, D), a.k_proj(x).view(R, Hkv, D), a.v_proj(x).view(R, Hkv, D)
+            q, k, v = _linear(x, qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q, k, v = q.reshape(R, H, D), k.reshape(R, Hkv, D), v.reshape(R, Hkv, D)
             if hasattr(a, "q_norm"):  # Qwen3: RMSNorm per head before RoPE
                 q, k = a.q_norm(q), a.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
@@ -104,7 +142,8 @@ class FastDecoder:
             scores = torch.matmul(q.view(R, Hkv, g, D), K.transpose(-1, -2)) * a.scaling + bias  # [R, Hkv, g, L]
             p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             o = torch.matmul(p, V).reshape(R, H * D)
-            h = h + a.o_proj(o)
+            h = h + _linear(o, o_proj)
             x = layer.post_attention_layernorm(h)
-            h = h + m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
-        return self.model.lm_head(self.inner.norm(h))
+            gate, up = _linear(x, gate_up).chunk(2, dim=-1)
+            h = h + _linear(F.silu(gate) * up, down)
+        return _linear(self.inner.norm(h), weights.lm)

@@ -214,9 +214,10 @@ class HFEngine:
         self.model.eval()
         try:
             with torch.inference_mode():
+                weights = self.fast.weights() if self.fast is not None else None  # this call's copies, after the last update
                 for start in range(0, len(prompts), per_chunk):
                     chunk_seeds = seeds[start : start + per_chunk] if seeds is not None else None
-                    rows = self._generate_chunk(prompts[start : start + per_chunk], params, n, gen, chunk_seeds)
+                    rows = self._generate_chunk(prompts[start : start + per_chunk], params, n, gen, chunk_seeds, weights)
                     out.extend(rows[i * n : (i + 1) * n] for i in range(len(rows) // n))
         finally:
             self.model.train(was_training)
@@ -228,7 +229,7 @@ class HFEngine:
         return torch.stack(rows).to(self.device)
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, n: int, gen,
-                        seeds: list[int] | None = None) -> list[Completion]:
+                        seeds: list[int] | None = None, weights=None) -> list[Completion]:
         dev = self.device
         P = len(prompts)
         cache = growing_cache(self.model.config, max(len(p) for p in prompts) + params.max_new_tokens)
@@ -251,7 +252,7 @@ class HFEngine:
             next_pos = next_pos.repeat_interleave(n, dim=0)
 
         R = P * n
-        fast = self.fast is not None and all(isinstance(layer, GrowingLayer) for layer in cache.layers)
+        fast = weights is not None and all(isinstance(layer, GrowingLayer) for layer in cache.layers)
         stop_ids = set() if params.ignore_eos else set(self.eos_ids)
         stop_ids.update(params.stop_token_ids)
         banned_until_min = sorted(stop_ids)
@@ -300,7 +301,7 @@ class HFEngine:
             attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=-1)
             if fast:
                 bias = torch.zeros(attn.shape, dtype=torch.float32, device=dev).masked_fill_(attn == 0, float("-inf"))
-                logits = self.fast.step(tok, next_pos, bias, cache)
+                logits = self.fast.step(tok, next_pos, bias, cache, weights)
             else:
                 logits = self._forward(tok.unsqueeze(-1), attn, next_pos.unsqueeze(-1), cache, prefill=False)
             next_pos = next_pos + 1
