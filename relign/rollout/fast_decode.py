@@ -22,15 +22,16 @@ The products run on copies of the weights made at the start of each ``generate``
 (``Weights``): [W_q; W_k; W_v]^T, W_o^T, [W_g; W_u]^T, W_d^T and W_lm^T, transposed to
 [in, out] and contiguous, in the dtype the model computes in. On a 2-core CPU, at the GRPO
 bench's 32 rows, the fused and transposed products made the rollout 4-5% faster with the same
-tokens (BENCHMARKS.md, HF engine). The copies live for one call and are never reused: an engine that
-shares the trainer's module must sample from the weights of the last update, and an in-place
-fused AdamW step does not bump a parameter's version counter, so a copy kept across calls could
-not tell it went stale. (Copies kept across calls were measured before and dropped for that
-reason.) Their cost: one pass over the weights per call, about what two or three decode steps of
-one row read, and the linear weights' bytes again while the call runs (under ``bf16-mixed``, in
-bf16: half of them). In the RL loop that stays under the training phase's peak: the gradients
-(the same bytes) are freed after every optimizer step, before the next rollout. A model this does not cover (another architecture, LoRA or quantized
-layers, sliding-window attention) keeps the model's own forward.
+tokens (BENCHMARKS.md, HF engine). The copies live for one call and are never reused: an
+engine that shares the trainer's module must sample from the weights of the last update, and
+an in-place fused AdamW step does not bump a parameter's version counter, so a copy kept
+across calls could not tell it went stale (such copies were measured before and dropped for
+that reason). Their cost: one pass over the weights per call, about what two or three decode
+steps of one row read, and the linear weights' bytes again while the call runs (under
+``bf16-mixed``, in bf16: half of them). In the RL loop that stays under the training phase's
+peak: the gradients (the same bytes) are freed after every optimizer step, before the next
+rollout. A model this does not cover (another architecture, LoRA or quantized layers,
+sliding-window attention) keeps the model's own forward.
 """
 
 from __future__ import annotations

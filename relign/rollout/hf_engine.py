@@ -214,7 +214,8 @@ class HFEngine:
         self.model.eval()
         try:
             with torch.inference_mode():
-                weights = self.fast.weights() if self.fast is not None else None  # this call's copies, after the last update
+                # the decode step's weight copies, made after the last update and dropped with this call
+                weights = self.fast.weights() if self.fast is not None else None
                 for start in range(0, len(prompts), per_chunk):
                     chunk_seeds = seeds[start : start + per_chunk] if seeds is not None else None
                     rows = self._generate_chunk(prompts[start : start + per_chunk], params, n, gen, chunk_seeds, weights)
