@@ -62,7 +62,13 @@ class _ForkServer:
                                      env={**_SERVER_ENV, "PYTHONUNBUFFERED": "1"})
         self.buf = b""
         # the imports are done; its environment now includes what they set (torch's, relign's defaults)
-        self.env = self._reply(timeout=300)["env"]
+        self.env = self._expect(self._reply(timeout=300), "env", "start")
+
+    def _expect(self, reply: dict | None, key: str, what: str):
+        if reply is None:
+            raise RuntimeError(f"the CLI fork server (tests/cli_zygote.py) did not {what} in time:\n"
+                               f"{Path(self.log.name).read_text()[-3000:]}")
+        return reply[key]
 
     def _reply(self, timeout: float) -> dict | None:
         """The next reply line, or None when none came within ``timeout`` seconds."""
@@ -89,7 +95,7 @@ class _ForkServer:
             req = {"args": args, "env": env, "cwd": str(cwd), "ranks": ranks, **{k: str(v) for k, v in files.items()}}
             self.proc.stdin.write((json.dumps(req) + "\n").encode())
             self.proc.stdin.flush()
-            pids = self._reply(timeout=60)["pids"]
+            pids = self._expect(self._reply(timeout=60), "pids", "fork the run")
             done = self._reply(timeout)
             if done is None:
                 for pid in pids:
@@ -131,7 +137,6 @@ def run_relign(args, env: dict | None = None, cwd: Path | None = None, stdin: st
     args = [str(a) for a in args]
     # Every run starts from the suite's environment, plus what the test passes: never from
     # what an earlier in-process test left in os.environ (vLLM's import sets VLLM_* variables).
-    full_env = {k: v for k, v in {**_SERVER_ENV, "PYTHONUNBUFFERED": "1", **(env or {})}.items() if k not in unset}
     if fork and sys.platform.startswith("linux") and not os.environ.get("RELIGN_TEST_SUBPROCESS"):  # fork: Linux
         if _fork_server is None or _fork_server.proc.poll() is not None:
             _fork_server = _ForkServer()
@@ -154,6 +159,7 @@ def run_relign(args, env: dict | None = None, cwd: Path | None = None, stdin: st
                 return _fork_server.run(args, child_env, cwd or REPO, stdin, timeout, ranks=per_rank)
             finally:
                 del store
+    full_env = {k: v for k, v in {**_SERVER_ENV, "PYTHONUNBUFFERED": "1", **(env or {})}.items() if k not in unset}
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)] if ranks > 1 else []
     return subprocess.run([sys.executable, *launcher, "-m", "relign", *args], input=stdin, capture_output=True, text=True,
                           env=full_env, cwd=cwd or REPO, timeout=timeout, stdin=None if stdin is not None else subprocess.DEVNULL)
