@@ -230,7 +230,7 @@ class HFEngine:
         return torch.stack(rows).to(self.device)
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, n: int, gen,
-                        seeds: list[int] | None = None, weights=None) -> list[Completion]:
+                        seeds: list[int] | None, weights) -> list[Completion]:
         dev = self.device
         P = len(prompts)
         cache = growing_cache(self.model.config, max(len(p) for p in prompts) + params.max_new_tokens)
