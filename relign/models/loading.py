@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -337,7 +338,11 @@ def apply_lora(model, *, r: int, alpha: int, dropout: float, target_modules: lis
         # Frozen embeddings produce inputs without grad; checkpointed blocks then see no
         # grad path into the adapters unless the inputs require grad.
         model.enable_input_require_grads()
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft reads transformers' deprecated `is_gradient_checkpointing` alias, which warns on
+        # transformers >= 5.24 although nothing the user wrote needs changing
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:

@@ -8,11 +8,33 @@ bf16/fp16 logits each chunk is upcast on its own, so the peak extra memory is on
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 DEFAULT_CHUNK_TOKENS = 4096
+
+
+@functools.cache
+def _cache_name() -> str:
+    # transformers 5.24 renamed the forward keyword and the output field that carry the KV cache
+    # from `past_key_values` to `cache`; the old keyword still works until 5.40 but warns on
+    # every run, so pass whichever name the installed version declares.
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def kv_cache_kwargs(kv_cache) -> dict:
+    """``{name: kv_cache}`` for a transformers model's forward, under the installed version's name."""
+    return {_cache_name(): kv_cache}
+
+
+def returned_kv_cache(out):
+    """The KV cache a transformers model's forward returned (``out.cache``, or ``out.past_key_values``
+    before transformers 5.24)."""
+    return getattr(out, _cache_name())
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -236,9 +258,9 @@ def prompt_prefix(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
         pre_mask[g, P - n:] = 1
     cache = DynamicCache(config=getattr(model, "config", None))
     pre_pos = (pre_mask.cumsum(-1) - 1).clamp_min(0)
-    out = model(input_ids=pre_ids, attention_mask=pre_mask, position_ids=pre_pos, past_key_values=cache, use_cache=True,
-                logits_to_keep=1)
-    layers = out.past_key_values.layers
+    out = model(input_ids=pre_ids, attention_mask=pre_mask, position_ids=pre_pos, use_cache=True, logits_to_keep=1,
+                **kv_cache_kwargs(cache))
+    layers = returned_kv_cache(out).layers
     return PromptPrefix([x.keys for x in layers], [x.values for x in layers], pre_mask, out.logits[:, -1:])
 
 
@@ -275,7 +297,7 @@ def response_token_logps(
         cache.update(k, v, li)
     full_mask = torch.cat([prefix.mask, resp_mask], dim=-1)
     pos = torch.tensor(plen, device=dev).unsqueeze(-1) + torch.arange(R, device=dev).unsqueeze(0)
-    out = model(input_ids=resp_ids, attention_mask=full_mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    out = model(input_ids=resp_ids, attention_mask=full_mask, position_ids=pos, use_cache=True, **kv_cache_kwargs(cache))
     logits = torch.cat([prefix.first, out.logits[:, :-1]], dim=1)  # [N, R, V]: position j predicts response token j
     lp = selective_log_softmax(logits, resp_ids, chunk_tokens, temperature=temperature)  # [N, R]
     ent = entropy_from_logits(logits if entropy_grad else logits.detach(), chunk_tokens, temperature=temperature) if with_entropy else None

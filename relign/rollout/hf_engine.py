@@ -27,6 +27,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from ..models.logprobs import kv_cache_kwargs
 from .engine import Completion, SamplingParams, check_generate_args, derive_seed, eos_token_ids
 from .fast_decode import FastDecoder, unsupported_reason
 from .prefix_cache import PrefixCache
@@ -359,7 +360,7 @@ class HFEngine:
 
     def _forward(self, ids, attn, pos, cache, *, prefill: bool) -> torch.Tensor:
         kwargs = {"logits_to_keep": 1} if prefill else {}
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True, **kwargs)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **kwargs, **kv_cache_kwargs(cache))
         return out.logits[:, -1]
 
     def _completion(self, ids: list[int], logps: list[float], finish: str, reason, stops: list[str]) -> Completion:
