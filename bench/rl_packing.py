@@ -10,8 +10,9 @@ long-tailed mix: most short, a few near the limit). The same batch is trained wi
 function the recipe calls) in each layout, on a fresh copy of the same model each time:
 
 * padded  rows right-padded to the longest row of their micro-batch;
-* packed  each micro-batch's sequences in one row with per-sequence position ids (on CPU,
-          transformers gives SDPA a dense block-diagonal mask; on GPU flash-attention varlen);
+* packed  each micro-batch's sequences in one row with per-sequence position ids, attention
+          run sequence by sequence (``relign.models.varlen``, as ``rl.train`` sets it up;
+          flash-attention's varlen kernel on a GPU);
 * shared  padded rows, each group's prompt computed once (relign's CPU default).
 
 Micro-batches are formed by ``max_tokens_per_micro`` (Karmarkar–Karp over the items) for all
@@ -82,6 +83,7 @@ def main(argv=None) -> None:
 
     from relign.algorithms.advantages import group_advantages
     from relign.models.loading import load_causal_lm, resolve_model_path
+    from relign.models.varlen import packed_attention
     from relign.recipes.rl_update import ActorLoss, Layout, update_policy
     from transformers import AutoTokenizer
 
@@ -109,6 +111,8 @@ def main(argv=None) -> None:
     for rep in range(a.repeats):
         for kind in (LAYOUTS if rep % 2 == 0 else LAYOUTS[::-1]):
             model = copy.deepcopy(base)
+            if kind == "packed":  # as rl.train does with packing=true: sequence by sequence, no block mask
+                packed_attention(model, "sdpa")
             layout = Layout(kind, group_size=a.group, max_tokens=a.max_tokens_per_micro)
             t0 = time.perf_counter()
             stats, _ = update_policy(model, NoStep(), None, list(model.parameters()), batch, [rows], layout, loss_fn,

@@ -2,12 +2,10 @@
 
 Padded micro-batch:  input_ids / attention_mask / loss_mask / segment_ids  [B, T_max]
 Packed micro-batch:  input_ids / position_ids / loss_mask / segment_ids    [1, sum T_i]
-  position_ids restart at 0 for each example; with no attention mask transformers builds a
-  block-diagonal causal mask from them (and flash-attention uses them as varlen boundaries),
-  so no token attends across examples. With flash-attention no compute is spent on padding;
-  with SDPA/eager (CPU) the block mask is dense, attention costs (sum T_i)^2 instead of
-  sum T_i^2, and length-sorted padded micro-batches are usually faster (packing still saves
-  memory).
+  position_ids restart at 0 for each example, and no attention mask: the attention runs
+  example by example (flash-attention's varlen kernel, or relign.models.varlen with SDPA), so
+  no token attends across examples and no compute goes to padding. Without either,
+  transformers builds a dense block-diagonal mask from the position ids (sum T_i^2 -> (sum T_i)^2).
 """
 
 from __future__ import annotations

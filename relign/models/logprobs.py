@@ -141,8 +141,10 @@ def token_logps(
     the compute and its logits most of the activation memory.
 
     For packed rows pass ``position_ids`` that restart at 0 for each example and no
-    attention mask: transformers then builds a block-diagonal causal mask. The first token of
-    each packed example is scored against the previous example; callers mask it out.
+    attention mask: attention then runs example by example (``relign.models.varlen``, or
+    flash-attention's varlen kernel; otherwise transformers builds a block-diagonal causal
+    mask). The first token of each packed example is scored against the previous example;
+    callers mask it out.
 
     A right-padded ``attention_mask`` (each row's ones before its zeros) is dropped: under causal
     attention a real token never sees the pads after it, and its positions are 0, 1, ... either

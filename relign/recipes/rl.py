@@ -48,6 +48,7 @@ from ..config import ConfigError
 from ..data.collate import StepSampler
 from ..evaluate import PeriodicEval, check_eval_during_training
 from ..models.loading import load_model_tokenizer, resolve_device, trainable_parameters
+from ..models.varlen import packed_attention
 from ..optim import build_optimizer, build_training
 from ..rollout.batch import RolloutBatch, build_batch
 from ..rollout.traces import write_traces
@@ -125,6 +126,10 @@ def _setup(cfg: Config, device, run_dir) -> tuple[_Run, Callable[[int], None]]:
         critic = distributed.wrap_fsdp(critic)
         critic_opt = build_optimizer(critic, lr=cfg.critic.lr, weight_decay=cfg.optim.weight_decay,
                                      betas=(cfg.optim.beta1, cfg.optim.beta2))
+    if cfg.packing:  # packed rows sequence by sequence, with no dense block mask (relign.models.varlen)
+        for model in (policy, ref, critic):
+            if model is not None:
+                packed_attention(model, m.attn_implementation)
     if ckpt is not None:
         load_model_weights(policy, ckpt)
     engine = build.engine_for(ro.engine, policy, tok, max_batch_rows=ro.max_batch_rows, seed=cfg.seed, m=m, vllm=ro.vllm,

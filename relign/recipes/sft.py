@@ -51,6 +51,7 @@ from ..data.sft import TRUNCATION, SFTExample, build_sft_examples
 from ..data.stats import announce
 from ..models.loading import apply_lora, load_causal_lm, load_model_tokenizer, resolve_device, trainable_parameters
 from ..models.logprobs import token_logps
+from ..models.varlen import packed_attention
 from ..optim import build_training, clip_gradients
 from ..rundir import open_run
 from ..tracking import Tracker, read_metrics
@@ -82,8 +83,10 @@ class Config:
     """Examples per forward/backward pass on one rank; gradient accumulation covers the rest."""
     loss_agg: str = "token-mean"
     """Loss reduction: token-mean or seq-mean-token-mean, normalized over the whole step's batch."""
-    packing: bool = False
-    """Pack each micro-batch into one padding-free row with per-example position ids (fastest with flash-attention)."""
+    packing: bool = True
+    """Pack each micro-batch into one padding-free row with per-example position ids; attention runs example by
+    example (flash-attention's varlen kernel, or SDPA per example: relign.models.varlen). false: length-sorted padded
+    micro-batches."""
     eval_every: int = 0
     """Compute the held-out loss every N steps (0 = only at the end, when there is eval data)."""
     eval_batch_size: int = 16
@@ -101,15 +104,6 @@ def _check(cfg: Config) -> None:
     if not cfg.data.path:
         raise ConfigError("missing value for 'data.path': give a data file, a dataset folder or a hub id")
     check_model_path("model.path", cfg.model.path)
-    if cfg.packing and not cfg.model.attn_implementation.startswith("flash_attention"):
-        import warnings
-
-        warnings.warn(
-            "packing=true with attention that is not flash-attention builds a dense block-diagonal mask: "
-            "attention then costs (sum of lengths)^2 per micro-batch. On CPU, packing=false (length-sorted "
-            "padded micro-batches) is usually faster; packing still saves memory.",
-            stacklevel=2,
-        )
 
 
 def _collate(examples: list[SFTExample], packing: bool, pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -229,6 +223,8 @@ def train(cfg: Config, *, desc: str = "sft") -> RunResult:
         m.path, dtype=m.dtype, attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code,
         gradient_checkpointing=m.gradient_checkpointing, lean_activations=m.lean_activations, device=device,
     )
+    if cfg.packing:
+        packed_attention(model, m.attn_implementation)
     if m.lora.enabled:
         model = apply_lora(model, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout, target_modules=m.lora.target_modules)
     ckpt = resolve_resume(cfg.resume, run_dir)

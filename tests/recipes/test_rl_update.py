@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from relign import distributed
 from relign.algorithms.aggregation import aggregate
+from relign.models import varlen
 from relign.models.value import ValueModel
 from relign.recipes.rl_update import (
     ActorLoss,
@@ -103,8 +104,10 @@ def _old_logps(proto, batch, seed=2):
     return (lp + 0.6 * (torch.rand(lp.shape, generator=g) - 0.5)) * batch.response_mask
 
 
-def _update(proto, batch, layout, loss_fn, mini_batches=None, **kw):
+def _update(proto, batch, layout, loss_fn, mini_batches=None, by_sequence=False, **kw):
     model = copy.deepcopy(proto)
+    if by_sequence:  # what rl.train does with packing=true: no block mask (relign.models.varlen)
+        assert varlen.enable(model)
     opt = GradRecorder(model.named_parameters())
     mini_batches = mini_batches or [torch.arange(batch.size)]
     stats, skipped = update_policy(model, opt, None, list(model.parameters()), batch, mini_batches, layout, loss_fn,
@@ -137,9 +140,13 @@ def test_layouts_give_the_same_logps_and_entropy(proto, batch):
     resp = torch.arange(batch.input_ids.shape[1])[None] >= batch.prompt_lens[:, None]
     resp &= torch.arange(batch.input_ids.shape[1])[None] < batch.seq_lens[:, None]  # the response span
     out = {}
+    by_sequence = copy.deepcopy(proto)
+    assert varlen.enable(by_sequence)
     with torch.no_grad():
         for name, layout in _all_layouts().items():
             out[name] = forward_logps(proto, batch, rows, layout, temperature=1.0, with_entropy=True)
+        out["packed, by sequence"] = forward_logps(by_sequence, batch, rows, Layout("packed"), temperature=1.0,
+                                                   with_entropy=True)
     ref_lp, ref_ent = out["padded"]
     assert (ref_lp[m.bool()] < 0).all()  # real log-probs on every target
     assert (ref_ent[m.bool()] > 0).all()
@@ -190,8 +197,11 @@ def test_packed_padded_shared_update_same_loss_and_grads(proto, batch, agg):
     runs = {name: _update(proto, batch, layout, loss_fn, advantages=adv, old_logps=old)
             for name, layout in _all_layouts().items()}
     assert runs["padded"][2]["actor/clip_frac"] > 0  # some tokens are clipped: the clip path is covered
+    runs["packed, by sequence"] = _update(proto, batch, Layout("packed"), loss_fn, advantages=adv, old_logps=old,
+                                          by_sequence=True)
     _assert_same(runs["packed"], runs["padded"])
     _assert_same(runs["shared"], runs["padded"])
+    _assert_same(runs["packed, by sequence"], runs["padded"])
     for key in ("actor/clip_frac", "actor/entropy"):
         assert runs["packed"][2][key] == pytest.approx(runs["padded"][2][key], abs=TOL)
         assert runs["shared"][2][key] == pytest.approx(runs["padded"][2][key], abs=TOL)

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from relign.data.sft import SFTExample
+from relign.models import varlen
 from relign.recipes.sft import accumulate_gradients
 
 
@@ -26,9 +27,13 @@ def _examples(tokenizer) -> list[SFTExample]:
     return out
 
 
-def _grads(model_dir, examples, **kw):
+def _grads(model_dir, examples, *, by_sequence=False, checkpointing=False, **kw):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if by_sequence:  # what sft.train does with packing=true: no block mask (relign.models.varlen)
+        assert varlen.enable(model)
+    if checkpointing:  # the backward pass reruns each layer's forward: it must split the row the same way
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     loss = accumulate_gradients(model, examples, pad_id=0, device="cpu", **kw)
     return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -54,10 +59,19 @@ def test_micro_batch_times_accumulation_invariance(tiny_model_dir, tokenizer, lo
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
 @pytest.mark.parametrize("micro", [1, 2, 4])
-def test_packed_equals_padded(tiny_model_dir, tokenizer, loss_agg, micro):
+@pytest.mark.parametrize("by_sequence", [False, True], ids=["block-mask", "by-sequence"])
+def test_packed_equals_padded(tiny_model_dir, tokenizer, loss_agg, micro, by_sequence):
     ex = _examples(tokenizer)
     padded = _grads(tiny_model_dir, ex, micro_batch_size=4, packing=False, loss_agg=loss_agg)
-    packed = _grads(tiny_model_dir, ex, micro_batch_size=micro, packing=True, loss_agg=loss_agg)
+    packed = _grads(tiny_model_dir, ex, micro_batch_size=micro, packing=True, loss_agg=loss_agg, by_sequence=by_sequence)
+    _assert_same(packed, padded)
+
+
+def test_packed_by_sequence_with_gradient_checkpointing(tiny_model_dir, tokenizer):
+    ex = _examples(tokenizer)
+    padded = _grads(tiny_model_dir, ex, micro_batch_size=4, packing=False, loss_agg="token-mean")
+    packed = _grads(tiny_model_dir, ex, micro_batch_size=4, packing=True, loss_agg="token-mean", by_sequence=True,
+                    checkpointing=True)
     _assert_same(packed, padded)
 
 
