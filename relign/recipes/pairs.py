@@ -116,13 +116,25 @@ def collate_unpaired(examples: Sequence[UnpairedExample], pad_id: int, device) -
     return {k: v.to(device) for k, v in out.items()}
 
 
-def sequence_logps(model, mb: dict[str, torch.Tensor], *, share_prompt: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logps(model, mb: dict[str, torch.Tensor], *, share_prompt: bool, packed: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed response log-probs and response lengths, both [N] (fp32).
 
+    ``packed``: the micro-batch's rows (both of every pair) run as one padding-free row with
+    per-row position ids, attention row by row (``relign.models.varlen``, or flash-attention's
+    varlen kernel); each pair's prompt then runs twice, but nothing is padded. Else
     ``share_prompt`` (pairs only): the two rows of a pair run their common prompt once
-    (``shared_prefix_token_logps`` with groups of 2), which gives the same log-probs as the
-    full rows; otherwise the rows run whole and the LM head is applied to the targets only."""
+    (``shared_prefix_token_logps`` with groups of 2); otherwise the rows run whole, padded, and
+    the LM head is applied to the targets only. All three give the same log-probs."""
     mask = mb["loss_mask"]
+    if packed:
+        real = mb["attention_mask"].bool()  # right-padded rows: their real tokens, row after row
+        pos = (mb["attention_mask"].cumsum(-1) - 1)[real][None]
+        target = mask[real][None] * (pos != 0)  # nothing predicts a row's first token (as in a padded row)
+        logps, _ = token_logps(model, mb["input_ids"][real][None], position_ids=pos, target_mask=target)
+        row = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)[real]
+        sums = torch.zeros(mask.shape[0], dtype=logps.dtype, device=logps.device).index_add(0, row, (logps * target)[0])
+        return sums, mask.sum(-1)
     if share_prompt:
         logps, _ = shared_prefix_token_logps(model, mb["input_ids"], mb["attention_mask"], mb["prompt_lens"], 2)
     else:

@@ -62,6 +62,7 @@ from ..config import (
 from ..data.collate import StepSampler, chunks, shard
 from ..data.preference import TRUNCATION, UnpairedExample
 from ..models.loading import apply_lora, load_causal_lm, load_model_tokenizer, resolve_device, trainable_parameters
+from ..models.varlen import packed_attention
 from ..optim import build_training, clip_gradients
 from ..rundir import open_run
 from ..tracking import Tracker, read_metrics
@@ -104,6 +105,9 @@ class Config:
     """sdpo: end each chosen/rejected step with the end token (off: the step continues into the answer)."""
     share_prompt: bool = True
     """Run each pair's prompt once for both responses (same log-probs, less compute)."""
+    packing: bool = False
+    """Run each micro-batch as one padding-free row, attention row by row (the prompt then runs twice per pair;
+    overrides share_prompt). Same log-probs; faster when response lengths spread."""
     run_dir: str = ""
     """Where config.yaml, metrics.jsonl, reference log-probs and checkpoints/ go (empty: runs/dpo-<time>)."""
     resume: str = "none"
@@ -211,7 +215,7 @@ def kl_examples(examples: list[UnpairedExample], max_length: int) -> list[Unpair
 
 @torch.no_grad()
 def score_examples(model, examples: list, *, paired: bool, batch_size: int, pad_id: int, device, share_prompt: bool,
-                   progress: bool = False, desc: str = "reference log-probs") -> torch.Tensor:
+                   packed: bool = False, progress: bool = False, desc: str = "reference log-probs") -> torch.Tensor:
     """Summed log-probs of every example ([N, 2] chosen/rejected for pairs, [N] otherwise),
     this rank computing its strided share and the ranks summing the results."""
     rank, world = distributed.rank(), distributed.world_size()
@@ -225,10 +229,12 @@ def score_examples(model, examples: list, *, paired: bool, batch_size: int, pad_
     with banner.progress(len(parts), desc, enabled=progress) as bar:
         for idx, real in parts:
             if paired:
-                s, _ = sequence_logps(model, collate_pairs([examples[i] for i in idx], pad_id, device), share_prompt=share_prompt)
+                s, _ = sequence_logps(model, collate_pairs([examples[i] for i in idx], pad_id, device), share_prompt=share_prompt,
+                                      packed=packed)
                 s = s.view(-1, 2)
             else:
-                s, _ = sequence_logps(model, collate_unpaired([examples[i] for i in idx], pad_id, device), share_prompt=False)
+                s, _ = sequence_logps(model, collate_unpaired([examples[i] for i in idx], pad_id, device), share_prompt=False,
+                                      packed=packed)
             if real:  # else a forward only to keep the ranks in step
                 out[idx] = s
             bar.update()
@@ -286,12 +292,12 @@ def _reference(cfg: Config, policy, sets: dict[str, list], *, run_dir: Path, res
         t_ref = time.perf_counter()
         scorer = policy
         if cfg.ref_model or resuming:
-            scorer = load_causal_lm(cfg.ref_model or m.path, key=ref_key, **load)
+            scorer = _load_reference(cfg, ref_key, load)
         ref_cache = {}
         for name, exs in sets.items():
             if exs:
                 ref_cache[name] = score_examples(scorer, exs, paired=cfg.loss != "kto", batch_size=cfg.eval_batch_size,
-                                                 pad_id=pad_id, device=device, share_prompt=share,
+                                                 pad_id=pad_id, device=device, share_prompt=share, packed=cfg.packing,
                                                  progress=cfg.logging.progress, desc=f"{cfg.loss} reference ({name})")
         del scorer
         ref_seconds = time.perf_counter() - t_ref
@@ -299,8 +305,15 @@ def _reference(cfg: Config, policy, sets: dict[str, list], *, run_dir: Path, res
             save_reference_cache(run_dir / REF_FILE, ref_cache, fp)
         return None, ref_cache, ref_seconds
     if not m.lora.enabled or cfg.ref_model:
-        return load_causal_lm(cfg.ref_model or m.path, key=ref_key, **load).eval().requires_grad_(False), {}, 0.0
+        return _load_reference(cfg, ref_key, load).eval().requires_grad_(False), {}, 0.0
     return None, {}, 0.0
+
+
+def _load_reference(cfg: Config, key: str, load: dict) -> torch.nn.Module:
+    model = load_causal_lm(cfg.ref_model or cfg.model.path, key=key, **load)
+    if cfg.packing:
+        packed_attention(model, cfg.model.attn_implementation)
+    return model
 
 
 # Metric names of the loss functions' per-pair values, where they differ from the logged ones.
@@ -326,7 +339,8 @@ class PreferenceLosses:
         self.cfg, self.policy, self.sets = cfg, policy, sets
         self.ref_model, self.ref_cache, self.pad_id, self.device = ref_model, ref_cache, pad_id, device
         self.kto = cfg.loss == "kto"
-        self.share = cfg.share_prompt and not self.kto
+        self.packed = cfg.packing
+        self.share = cfg.share_prompt and not self.kto and not self.packed
 
     @torch.no_grad()
     def reference_logps(self, name: str, idx: list[int], mb: dict[str, torch.Tensor]) -> torch.Tensor | None:
@@ -338,9 +352,9 @@ class PreferenceLosses:
             return r.flatten() if r.dim() == 2 else r  # pairs: interleaved like the rows
         share = self.share and "kl" not in name
         if self.ref_model is not None:
-            return sequence_logps(self.ref_model, mb, share_prompt=share)[0]
+            return sequence_logps(self.ref_model, mb, share_prompt=share, packed=self.packed)[0]
         with self.policy.disable_adapter():  # LoRA: the reference is the base model, no second copy
-            out = sequence_logps(self.policy, mb, share_prompt=share)[0]
+            out = sequence_logps(self.policy, mb, share_prompt=share, packed=self.packed)[0]
         distributed.reshard(self.policy)  # a forward with no backward (see distributed.reshard)
         return out
 
@@ -352,7 +366,7 @@ class PreferenceLosses:
             parts = list(chunks(by_positions(exs, idx, share_prompt=False), self.cfg.micro_batch_size))
             for part, real in distributed.lockstep(parts, filler=[0]):
                 mb = collate_unpaired([exs[i] for i in part], self.pad_id, dev)
-                pol = sequence_logps(self.policy, mb, share_prompt=False)[0]
+                pol = sequence_logps(self.policy, mb, share_prompt=False, packed=self.packed)[0]
                 ref = self.reference_logps(name + "_kl", part, mb)
                 if real:  # else forwards only to keep the ranks in step
                     total += torch.stack([(pol - ref).sum(), torch.tensor(float(len(part)), device=dev)])
@@ -365,7 +379,7 @@ class PreferenceLosses:
         cfg, exs = self.cfg, self.sets[name]
         if self.kto:
             mb = collate_unpaired([exs[i] for i in idx], self.pad_id, self.device)
-            logps, lengths = sequence_logps(self.policy, mb, share_prompt=False)
+            logps, lengths = sequence_logps(self.policy, mb, share_prompt=False, packed=self.packed)
             losses, met = P.kto_loss(logps, self.reference_logps(name, idx, mb), mb["labels"], z0, beta=cfg.beta,
                                      desirable_weight=cfg.kto_desirable_weight, undesirable_weight=cfg.kto_undesirable_weight)
             d = met["is_desirable"]
@@ -373,7 +387,7 @@ class PreferenceLosses:
                    "count/desirable": d.sum(), "count/undesirable": (1 - d).sum(), "logps/mean_sum": logps.detach().sum()}
             return losses, out, float(lengths.sum() + mb["attention_mask"].sum())
         mb = collate_pairs([exs[i] for i in idx], self.pad_id, self.device)
-        logps, lengths = sequence_logps(self.policy, mb, share_prompt=self.share)
+        logps, lengths = sequence_logps(self.policy, mb, share_prompt=self.share, packed=self.packed)
         ref = self.reference_logps(name, idx, mb)
         pc, pr, nc, nr = logps[0::2], logps[1::2], lengths[0::2], lengths[1::2]
         losses, met = pair_loss(cfg, pc, pr, nc, nr, ref[0::2] if ref is not None else None, ref[1::2] if ref is not None else None)
@@ -446,11 +460,13 @@ def train(cfg: Config) -> RunResult:
     load = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code, device=device)
     policy = load_causal_lm(m.path, gradient_checkpointing=m.gradient_checkpointing, lean_activations=m.lean_activations,
                             **load)
+    if cfg.packing:
+        packed_attention(policy, m.attn_implementation)
     if m.lora.enabled:
         policy = apply_lora(policy, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout, target_modules=m.lora.target_modules)
     banner.start("dpo", cfg, model=policy, **run_facts)
     pad_id = tok.pad_token_id
-    share = cfg.share_prompt and not kto
+    share = cfg.share_prompt and not kto and not cfg.packing
 
     # ---- reference log-probs: once, before the first update, cached in the run directory
     ckpt = resolve_resume(cfg.resume, run_dir)

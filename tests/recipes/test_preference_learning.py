@@ -97,8 +97,8 @@ def test_reward_model_learns_a_separable_preference(tiny_model_dir, pref_data, t
 
 @pytest.mark.parametrize("loss", ["dpo", "kto"])
 def test_loss_is_invariant_to_micro_batching_and_prompt_sharing(tiny_model_dir, pref_data, tmp_path, loss):
-    """One step with 1 micro-batch of 16 == 4 of 4 (prompt shared or not) == the reference
-    computed online instead of cached: same loss, same updated weights.
+    """One step with 1 micro-batch of 16 == 4 of 4 (prompt shared or not, or packed) == the
+    reference computed online instead of cached: same loss, same updated weights.
 
     Adam's first step is lr * g / (|g| + eps): with the default eps a coordinate whose gradient
     is ~1e-8 moves by anything up to lr when float summation order changes it by 1e-9, so the
@@ -109,6 +109,9 @@ def test_loss_is_invariant_to_micro_batching_and_prompt_sharing(tiny_model_dir, 
         "four": ("micro_batch_size=4",),
         "full_rows": ("micro_batch_size=4", "share_prompt=false"),
         "online": ("micro_batch_size=8", "reference=online"),
+        # one padding-free row per micro-batch, attention row by row (relign.models.varlen)
+        "packed": ("micro_batch_size=4", "packing=true"),
+        "packed_online": ("micro_batch_size=8", "packing=true", "reference=online"),
     }
     losses, weights = {}, {}
     for name, extra in runs.items():

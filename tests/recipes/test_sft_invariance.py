@@ -33,7 +33,10 @@ def _grads(model_dir, examples, *, by_sequence=False, checkpointing=False, **kw)
     if by_sequence:  # what sft.train does with packing=true: no block mask (relign.models.varlen)
         assert varlen.enable(model)
     if checkpointing:  # the backward pass reruns each layer's forward: it must split the row the same way
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # the newer name (loading.py does the same)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     loss = accumulate_gradients(model, examples, pad_id=0, device="cpu", **kw)
     return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
