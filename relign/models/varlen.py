@@ -10,7 +10,7 @@ heads grouped), the outputs concatenated back into the row.
 
 ``enable(model)`` switches a model to it: the attention function and its mask function are
 registered with transformers under ``NAME`` and the config points at them. Every call that is
-not a packed row (a padding mask, a KV cache, more than one row) goes to transformers' own SDPA
+not a packed row (a padding mask, a KV cache, one sequence per row) goes to transformers' own SDPA
 function with the mask it would have had, so one model serves packed training and padded
 evaluation alike. ``_attn_implementation`` is not saved with the config, so a checkpoint still
 loads with the attention it was trained under.
@@ -29,11 +29,11 @@ SUPPORTED = ("qwen2", "qwen3", "llama", "mistral")
 
 
 def segment_bounds(position_ids: torch.Tensor) -> list[int]:
-    """[0, s_1, ..., T]: where each packed sequence starts (its position id is 0), and the end."""
-    starts = (position_ids.reshape(-1) == 0).nonzero().squeeze(-1).tolist()
-    if not starts or starts[0] != 0:
-        starts = [0, *starts]
-    return [*starts, position_ids.numel()]
+    """[0, s_1, ..., T] of one row: a sequence starts wherever the position ids do not go up by
+    one (a restart at 0, as transformers reads packed rows), and the row ends at T."""
+    pos = position_ids.reshape(-1)
+    starts = ((pos[1:] - pos[:-1]) != 1).nonzero().squeeze(-1) + 1
+    return [0, *starts.tolist(), pos.numel()]
 
 
 def varlen_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -44,12 +44,12 @@ def varlen_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
 
     B, _, T, _ = query.shape
     position_ids = kwargs.get("position_ids")
-    rows = None
-    if attention_mask is None and position_ids is not None and T > 1 and key.shape[2] == T == position_ids.shape[-1]:
-        rows = [segment_bounds(r) for r in position_ids.expand(B, -1)]
-    if rows is None or all(len(b) == 2 for b in rows):  # not packed: transformers' SDPA path as it is
+    packed = (attention_mask is None and position_ids is not None and T > 1 and key.shape[2] == T == position_ids.shape[-1]
+              and bool((position_ids.diff(dim=-1) != 1).any()))  # one check (and sync) per layer
+    if not packed:  # transformers' SDPA path as it is
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    rows = [segment_bounds(r) for r in position_ids.expand(B, -1)]
     gqa = query.shape[1] != key.shape[1]
     p = dropout if module.training else 0.0
     out = [torch.cat([F.scaled_dot_product_attention(query[i : i + 1, :, a:e], key[i : i + 1, :, a:e], value[i : i + 1, :, a:e],

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from relign.models import varlen
+from relign.models.logprobs import kv_cache_kwargs
 
 LENS = [5, 11, 1, 8, 17]
 
@@ -95,8 +96,8 @@ def test_padded_and_cached_calls_are_transformers_sdpa():
         outs = []
         for m in (model, stock):
             cache = transformers.DynamicCache(config=m.config)
-            m(input_ids=ids[:, :7], use_cache=True, cache=cache)
-            outs.append(m(input_ids=ids[:, 7:], use_cache=True, cache=cache).logits)
+            m(input_ids=ids[:, :7], use_cache=True, **kv_cache_kwargs(cache))
+            outs.append(m(input_ids=ids[:, 7:], use_cache=True, **kv_cache_kwargs(cache)).logits)
         torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=0)
         full = stock(input_ids=ids, use_cache=False).logits[:, 7:]
         torch.testing.assert_close(outs[0], full, atol=1e-5, rtol=0)
@@ -122,4 +123,20 @@ def test_what_it_does_not_cover_keeps_sdpa_and_packing_warns():
 def test_segment_bounds():
     assert varlen.segment_bounds(torch.tensor([[0, 1, 2, 0, 0, 1]])) == [0, 3, 4, 6]
     assert varlen.segment_bounds(torch.tensor([3, 4, 0, 1])) == [0, 2, 4]  # a row that starts mid-sequence
+    assert varlen.segment_bounds(torch.tensor([0, 1, 5, 6, 7])) == [0, 2, 5]  # a restart not at 0
     assert varlen.segment_bounds(torch.arange(5)) == [0, 5]
+
+
+def test_two_packed_rows_in_one_batch():
+    model = _model("qwen2")
+    alone = copy.deepcopy(model)
+    varlen.enable(model)
+    lens = [[5, 11], [9, 7]]  # two rows of 16 tokens, each holding two sequences
+    seqs = [[torch.randint(1, 200, (n,), generator=torch.Generator().manual_seed(10 * i + j)) for j, n in enumerate(row)]
+            for i, row in enumerate(lens)]
+    ids = torch.stack([torch.cat(row) for row in seqs])
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lens])
+    with torch.no_grad():
+        got = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        want = torch.stack([torch.cat([alone(input_ids=s[None], use_cache=False).logits[0] for s in row]) for row in seqs])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
