@@ -45,7 +45,8 @@ Modes (like with like):
               every micro-batch).
 
 relign runs each pair's prompt once for both responses (``share_prompt=true``, its default,
-same log-probs and gradients); TRL runs the prompt in both rows. ``--relign-set
+same log-probs and gradients: one packed row per micro-batch, each rejected response continuing
+its prompt); TRL runs the prompt in both rows. ``--relign-set
 share_prompt=false`` measures relign without it.
 
 Throughput = pairs / wall time over the steps after ``--warmup``, each step timed from the end
@@ -391,11 +392,14 @@ def _prepare(model_dir: str, a: argparse.Namespace) -> dict:
     # in sampling order, relign's after it orders the step's pairs by length (pairs.by_positions)
     from relign.recipes.pairs import by_positions
 
-    pos = {"trl_full_rows": [], "relign_shared_prompt": [], "real_full_rows": [], "real_prompt_once": []}
+    # relign's default packs each micro-batch with each prompt once (+ its last token again per
+    # pair); "relign_kv_cache_prompt" is its padded shared-prompt layout (models varlen does not cover)
+    pos = {"trl_full_rows": [], "relign_kv_cache_prompt": [], "real_full_rows": [], "real_prompt_once": [],
+           "relign_packed_prompt_once": []}
     for s in range(a.steps):
         step = order[s * a.batch_size:(s + 1) * a.batch_size]
         ours = by_positions(examples, step, share_prompt=True)
-        t = rl = real = real1 = 0
+        t = rl = real = real1 = packed = 0
         for m in range(0, len(step), a.micro_batch_size):
             mb = [examples[i] for i in step[m:m + a.micro_batch_size]]
             longest = max(max(len(e.chosen_ids), len(e.rejected_ids)) for e in mb)
@@ -406,7 +410,8 @@ def _prepare(model_dir: str, a: argparse.Namespace) -> dict:
             rl += len(mine) * P + 2 * len(mine) * R
             real += sum(len(e.chosen_ids) + len(e.rejected_ids) for e in mb)
             real1 += sum(len(e.chosen_ids) + len(e.rejected_ids) - e.prompt_len for e in mb)
-        for k, v in zip(pos, (t, rl, real, real1)):
+            packed += sum(len(e.chosen_ids) + len(e.rejected_ids) - e.prompt_len + 1 for e in mb)
+        for k, v in zip(pos, (t, rl, real, real1, packed)):
             pos[k].append(v)
     return {"examples": examples, "kept": kept, "order": order, "lengths": lens, "positions_per_step": pos}
 
@@ -684,9 +689,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{a.steps} steps={c['max_abs_loss_diff']:.1e}, max rel grad-norm diff={c['max_rel_grad_norm_diff']:.1e}"
         )
     mp = out["setup"]["model_positions_per_timed_step_mean"]
-    lines.append(f"model positions per step (padding included): TRL {mp['trl_full_rows']:,.0f}, relign shared prompt "
-                 f"{mp['relign_shared_prompt']:,.0f} (real tokens: full rows {mp['real_full_rows']:,.0f}, prompt once "
-                 f"{mp['real_prompt_once']:,.0f})")
+    lines.append(f"model positions per step (padding included): TRL {mp['trl_full_rows']:,.0f}, relign packed prompt once "
+                 f"{mp['relign_packed_prompt_once']:,.0f}, relign KV-cache shared prompt {mp['relign_kv_cache_prompt']:,.0f} "
+                 f"(real tokens: full rows {mp['real_full_rows']:,.0f}, prompt once {mp['real_prompt_once']:,.0f})")
     worst = max(r["other_load_cores"] for r in runs.values())
     lines.append(f"load average (1/5/15 min) at start {la_start}, at end {la_end}; other processes used up to {worst:.2f} "
                  f"of {os.cpu_count()} cores during the kept steps")

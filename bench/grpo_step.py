@@ -90,7 +90,8 @@ PEER_ENV = dict(os.environ)
 THIS = Path(__file__).resolve()
 GSM8K = REPO / "relign" / "envs" / "data" / "gsm8k_train_512.jsonl"
 RESULTS = REPO / "bench" / "results" / "grpo_step.json"
-LIBS = ("relign", "relign-vllm", "trl")  # relign-vllm: the same run with rollout.engine=vllm
+# relign-vllm: the same run with rollout.engine=vllm; relign-packed: with packing=true
+LIBS = ("relign", "relign-vllm", "relign-packed", "trl")
 PHASES = ("step", "rollout", "generate", "reward", "train", "ref")
 
 
@@ -181,6 +182,7 @@ def worker_relign(a: argparse.Namespace) -> dict:
         "logging.progress=false", "logging.tensorboard=false", "checkpoint.save_final=false", "checkpoint.save_every=0",
         f"run_dir={run_dir}",
         *(["rollout.engine=vllm"] if a.worker == "relign-vllm" else []),
+        *(["packing=true"] if a.worker == "relign-packed" else []),
         *a.relign_set,
     ]
     tok = AutoTokenizer.from_pretrained(a.model)
@@ -533,7 +535,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="bf16: fp32 weights, bf16 autocast on both sides (relign model.dtype=bf16-mixed, TRL bf16=True)")
     p.add_argument("--relign-set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra relign rl override, repeatable (e.g. share_prompt=false to turn off shared-prompt training forwards)")
-    p.add_argument("--engines", default="hf", help="relign's rollout engines to run, comma-separated: hf, vllm (default hf)")
+    p.add_argument("--engines", default="hf", help="relign variants to run, comma-separated: hf, vllm (rollout.engine=vllm), packed (hf with "
+                   "packing=true); the first is the headline (default hf)")
     p.add_argument("--out", default=str(RESULTS), help="JSON results path")
     # internal
     p.add_argument("--worker", choices=LIBS, help=argparse.SUPPRESS)

@@ -10,13 +10,16 @@ long-tailed mix: most short, a few near the limit). The same batch is trained wi
 function the recipe calls) in each layout, on a fresh copy of the same model each time:
 
 * padded  rows right-padded to the longest row of their micro-batch;
-* packed  each micro-batch's sequences in one row with per-sequence position ids, attention
-          run sequence by sequence (``relign.models.varlen``, as ``rl.train`` sets it up;
-          flash-attention's varlen kernel on a GPU);
-* shared  padded rows, each group's prompt computed once (relign's CPU default).
+* packed       each micro-batch's whole groups in one row with per-sequence position ids,
+               attention run sequence by sequence (``relign.models.varlen``, as ``rl.train``
+               sets it up with packing=true): each group's prompt once, its other responses
+               continuing it in the row;
+* packed-rows  the same, but every sequence whole (its prompt again; what flash-attention's
+               varlen kernel can run, and packing with share_prompt=false);
+* shared       padded rows, each group's prompt computed once (relign's CPU default).
 
 Micro-batches are formed by ``max_tokens_per_micro`` (Karmarkar–Karp over the items) for all
-three. "tokens/s" counts real tokens (prompt + response of every sequence, no padding) over
+four. "tokens/s" counts real tokens (prompt + response of every sequence, no padding) over
 the update's wall time; the update's loss is checked equal across layouts (1e-5). Each
 layout's time is its fastest repeat (the repeats do the same work; a shared VM's CPU comes
 and goes). Output: a markdown table and bench/results/rl_packing.json.
@@ -41,7 +44,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 RESULTS = REPO / "bench" / "results" / "rl_packing.json"
 GSM8K = REPO / "relign" / "envs" / "data" / "gsm8k_train_512.jsonl"
-LAYOUTS = ("padded", "packed", "shared")
+LAYOUTS = ("padded", "packed", "packed-rows", "shared")
 
 
 def _batch(tok, n_prompts: int, G: int, min_len: int, max_len: int, seed: int):
@@ -111,9 +114,10 @@ def main(argv=None) -> None:
     for rep in range(a.repeats):
         for kind in (LAYOUTS if rep % 2 == 0 else LAYOUTS[::-1]):
             model = copy.deepcopy(base)
-            if kind == "packed":  # as rl.train does with packing=true: sequence by sequence, no block mask
+            if kind.startswith("packed"):  # as rl.train does with packing=true: sequence by sequence, no block mask
                 packed_attention(model, "sdpa")
-            layout = Layout(kind, group_size=a.group, max_tokens=a.max_tokens_per_micro)
+            layout = Layout(kind.split("-")[0], group_size=1 if kind == "packed-rows" else a.group,
+                            max_tokens=a.max_tokens_per_micro)
             t0 = time.perf_counter()
             stats, _ = update_policy(model, NoStep(), None, list(model.parameters()), batch, [rows], layout, loss_fn,
                                      advantages=adv, max_grad_norm=0.0)

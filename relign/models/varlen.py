@@ -36,6 +36,69 @@ def segment_bounds(position_ids: torch.Tensor) -> list[int]:
     return [0, *starts.tolist(), pos.numel()]
 
 
+def segments(position_ids: torch.Tensor) -> list[tuple[int, int, int | None, int]]:
+    """The sequences ``(a, e, r, s)`` of one packed row: tokens ``[a, e)``, first position ``s``.
+
+    A sequence whose positions start at 0 stands alone (``r`` None). One that starts at ``s > 0``
+    *continues the first s tokens of its root*, the latest sequence before it that started at 0
+    (at column ``r``), if that holds at least ``s`` tokens: it attends to them and to itself, causally, as
+    if it followed them in its own row. That is how a group's responses share their prompt in a
+    packed row: ``[prompt, response_1][prompt[-1], response_2]...``, with position ids
+    ``0..P+T_1-1, P-1..P-1+T_2, ...``, runs the prompt once (each continuation repeats the
+    prompt's last token, whose logits score the response's first). A start at ``s > 0`` with no
+    long enough root before it stands alone, as transformers reads it."""
+    bounds = segment_bounds(position_ids)
+    first = position_ids.reshape(-1)[bounds[:-1]].tolist()
+    out, root, root_len = [], None, 0
+    for a, e, s in zip(bounds[:-1], bounds[1:], first):
+        if s == 0:
+            root, root_len = a, e - a
+        out.append((a, e, root if s and root is not None and s <= root_len else None, s))
+    return out
+
+
+def _row_attention(q, k, v, pos, *, p: float, scale, gqa: bool) -> torch.Tensor:
+    """One packed row: q [1, H, T, D], k/v [1, H_kv, T, D] -> [1, H, T, D]. Each standalone
+    sequence is one causal call over its own slice; the continuations of one root that share the
+    same prefix length and own length run as one batched call against [prefix keys; own keys],
+    with the offset causal mask (prefix all visible, own keys up to the query)."""
+    pieces: dict[int, torch.Tensor] = {}
+    batches: dict[tuple[int, int, int], list[int]] = {}
+    for a, e, r, s in segments(pos):
+        if r is None:
+            pieces[a] = F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], dropout_p=p,
+                                                       is_causal=True, scale=scale, enable_gqa=gqa)[0]
+        else:
+            batches.setdefault((r, s, e - a), []).append(a)
+    for (r, s, n), starts in batches.items():
+        own = lambda x: torch.stack([x[0, :, a : a + n] for a in starts])  # noqa: E731  [m, H, n, D]
+        ctx = lambda x: torch.cat([x[:, :, r : r + s].expand(len(starts), -1, -1, -1), own(x)], dim=2)  # noqa: E731
+        mask = torch.ones(n, s + n, dtype=torch.bool, device=q.device)
+        mask[:, s:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        res = F.scaled_dot_product_attention(own(q), ctx(k), ctx(v), attn_mask=mask, dropout_p=p, scale=scale,
+                                             enable_gqa=gqa)
+        pieces.update(zip(starts, res.unbind(0)))
+    return torch.cat([pieces[a] for a in sorted(pieces)], dim=1)[None]
+
+
+def pack_index(lens: torch.Tensor, starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row [S], col [S]): columns ``starts[i] .. lens[i] - 1`` of each right-padded row ``i``, row
+    after row, as one packed row. ``col`` is also each token's position id: a row packed from
+    column 0 stands alone, and one packed from ``P - 1`` (its prompt's last token) continues the
+    prompt of the row before it (``segments``)."""
+    starts = torch.zeros_like(lens) if starts is None else starts
+    counts = lens - starts
+    row = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), counts)
+    offset = torch.repeat_interleave(starts - (counts.cumsum(0) - counts), counts)
+    return row, torch.arange(int(counts.sum()), device=lens.device) + offset
+
+
+def continuation_starts(prompt_lens: torch.Tensor, continues: torch.Tensor) -> torch.Tensor:
+    """``pack_index``'s starts: ``P_i - 1`` where row ``i`` shares the previous row's prompt of
+    ``P_i`` tokens (``continues[i]``), else 0."""
+    return torch.where(continues, (prompt_lens - 1).clamp_min(0), torch.zeros_like(prompt_lens))
+
+
 def varlen_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                           is_causal=None, **kwargs):
     """transformers' attention-function interface: query [B, H, T, D], key/value [B, H_kv, T, D]
@@ -49,13 +112,9 @@ def varlen_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
     if not packed:  # transformers' SDPA path as it is
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    rows = [segment_bounds(r) for r in position_ids.expand(B, -1)]
-    gqa = query.shape[1] != key.shape[1]
-    p = dropout if module.training else 0.0
-    out = [torch.cat([F.scaled_dot_product_attention(query[i : i + 1, :, a:e], key[i : i + 1, :, a:e], value[i : i + 1, :, a:e],
-                                                     dropout_p=p, is_causal=True, scale=scaling, enable_gqa=gqa)
-                      for a, e in zip(b[:-1], b[1:])], dim=2)
-           for i, b in enumerate(rows)]
+    kw = dict(p=dropout if module.training else 0.0, scale=scaling, gqa=query.shape[1] != key.shape[1])
+    out = [_row_attention(query[i : i + 1], key[i : i + 1], value[i : i + 1], pos, **kw)
+           for i, pos in enumerate(position_ids.expand(B, -1))]
     return torch.cat(out, dim=0).transpose(1, 2).contiguous(), None
 
 
@@ -99,13 +158,40 @@ def enable(model) -> bool:
     return True
 
 
-def packed_attention(model, attn_implementation: str) -> None:
+def active(model) -> bool:
+    """Whether ``model`` runs this module's attention (and so reads continuations)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
+
+
+def packed_attention(model, attn_implementation: str) -> bool:
     """For a run that packs rows: ``enable`` where it applies; flash-attention needs nothing (its
-    varlen kernel reads the position ids); otherwise warn what packing costs."""
-    if attn_implementation.startswith("flash_attention") or enable(model):
-        return
+    varlen kernel reads the position ids); otherwise warn what packing costs. True when the
+    model now runs this module's attention, which also reads continuations (``segments``):
+    only then may a packed row share a prompt between sequences."""
+    if enable(model):
+        return True
+    if attn_implementation.startswith("flash_attention"):
+        return False
     import warnings
 
     warnings.warn(f"packing=true runs attention over a dense block-diagonal mask ({supported(model)}): it then costs "
                   "(sum of lengths)^2 per micro-batch, and packing=false (length-sorted padded micro-batches) is "
                   "usually faster; packing still saves memory.", stacklevel=2)
+    return False
+
+
+def choose(models, attn_implementation: str, *, packing: bool, share: bool) -> tuple[bool, bool]:
+    """(pack, share) for a run's models (the policy, and its reference and critic if any).
+
+    ``packing``: packed rows (``packed_attention`` on each model); a group's sequences then
+    share their prompt in the row only if every model reads continuations. Else ``share`` (run
+    each group's prompt once): where this module's attention applies to every model it does
+    so in a packed row, the group's responses continuing the prompt (no padding, no mask, K/V
+    heads grouped); otherwise the caller's padded shared-prompt path (a KV cache of the prompt)."""
+    models = [m for m in models if m is not None]
+    if packing:
+        continued = all([packed_attention(m, attn_implementation) for m in models])
+        return True, share and continued
+    if share and all(supported(m) is None for m in models):
+        return all([enable(m) for m in models]), True
+    return False, share

@@ -11,7 +11,9 @@ from .. import distributed
 from ..config import PreferenceDataConfig
 from ..data.preference import PairExample, UnpairedExample, build_pair_examples, build_unpaired_examples
 from ..data.stats import announce
+from ..models import varlen
 from ..models.logprobs import shared_prefix_token_logps, token_logps
+from ..models.varlen import continuation_starts, pack_index
 
 
 def load_examples(d: PreferenceDataConfig, tok, *, unpaired: bool = False, seed: int = 0, step_eos: bool = False):
@@ -120,19 +122,26 @@ def sequence_logps(model, mb: dict[str, torch.Tensor], *, share_prompt: bool, pa
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed response log-probs and response lengths, both [N] (fp32).
 
-    ``packed``: the micro-batch's rows (both of every pair) run as one padding-free row with
-    per-row position ids, attention row by row (``relign.models.varlen``, or flash-attention's
-    varlen kernel); each pair's prompt then runs twice, but nothing is padded. Else
-    ``share_prompt`` (pairs only): the two rows of a pair run their common prompt once
+    ``packed``: the micro-batch's rows run as one padding-free row with per-row position ids,
+    attention sequence by sequence (``relign.models.varlen``, or flash-attention's varlen
+    kernel). With ``share_prompt`` too (pairs), where the model runs ``varlen``'s attention, each
+    pair's rejected row continues its chosen row's prompt: it packs only the prompt's last token
+    and its response, so nothing is padded and each prompt runs once. Else, unpacked,
+    ``share_prompt``: the two rows of a pair run their common prompt once against a KV cache
     (``shared_prefix_token_logps`` with groups of 2); otherwise the rows run whole, padded, and
-    the LM head is applied to the targets only. All three give the same log-probs."""
+    the LM head is applied to the targets only. All give the same log-probs."""
     mask = mb["loss_mask"]
+    if packed and share_prompt and not varlen.active(model):  # it would read a continuation as a sequence of its own
+        packed = False
     if packed:
-        real = mb["attention_mask"].bool()  # right-padded rows: their real tokens, row after row
-        pos = (mb["attention_mask"].cumsum(-1) - 1)[real][None]
-        target = mask[real][None] * (pos != 0)  # nothing predicts a row's first token (as in a padded row)
-        logps, _ = token_logps(model, mb["input_ids"][real][None], position_ids=pos, target_mask=target)
-        row = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)[real]
+        starts = None
+        if share_prompt:  # rows [c_0, r_0, c_1, r_1, ...]: each r_i continues c_i's prompt
+            starts = continuation_starts(mb["prompt_lens"], torch.arange(mask.shape[0], device=mask.device) % 2 == 1)
+        row, col = pack_index(mb["attention_mask"].sum(-1), starts)
+        first = torch.ones_like(row, dtype=torch.bool)
+        first[1:] = row[1:] != row[:-1]
+        target = (mask[row, col] * ~first)[None]  # a packed sequence's first token is scored against another: never a target
+        logps, _ = token_logps(model, mb["input_ids"][row, col][None], position_ids=col[None], target_mask=target)
         sums = torch.zeros(mask.shape[0], dtype=logps.dtype, device=logps.device).index_add(0, row, (logps * target)[0])
         return sums, mask.sum(-1)
     if share_prompt:

@@ -61,8 +61,8 @@ from ..config import (
 )
 from ..data.collate import StepSampler, chunks, shard
 from ..data.preference import TRUNCATION, UnpairedExample
+from ..models import varlen
 from ..models.loading import apply_lora, load_causal_lm, load_model_tokenizer, resolve_device, trainable_parameters
-from ..models.varlen import packed_attention
 from ..optim import build_training, clip_gradients
 from ..rundir import open_run
 from ..tracking import Tracker, read_metrics
@@ -106,8 +106,9 @@ class Config:
     share_prompt: bool = True
     """Run each pair's prompt once for both responses (same log-probs, less compute)."""
     packing: bool = False
-    """Run each micro-batch as one padding-free row, attention row by row (the prompt then runs twice per pair;
-    overrides share_prompt). Same log-probs; faster when response lengths spread."""
+    """Run each micro-batch as one padding-free row, attention sequence by sequence; with share_prompt a pair's
+    rejected response continues its prompt in the row (prompt once; needs relign's varlen attention, else the
+    prompt runs twice). Same log-probs."""
     run_dir: str = ""
     """Where config.yaml, metrics.jsonl, reference log-probs and checkpoints/ go (empty: runs/dpo-<time>)."""
     resume: str = "none"
@@ -271,8 +272,8 @@ def save_reference_cache(path: Path, tensors: dict[str, torch.Tensor], fingerpri
     os.replace(tmp, path)
 
 
-def _reference(cfg: Config, policy, sets: dict[str, list], *, run_dir: Path, resuming: bool, load: dict, share: bool,
-               pad_id: int, device) -> tuple[torch.nn.Module | None, dict[str, torch.Tensor], float]:
+def _reference(cfg: Config, policy, sets: dict[str, list], *, run_dir: Path, resuming: bool, load: dict, pack: bool,
+               share: bool, pad_id: int, device) -> tuple[torch.nn.Module | None, dict[str, torch.Tensor], float]:
     """(reference model or None, cached reference log-probs per set, seconds spent computing them).
 
     ``reference=precompute`` (the default): each set's log-probs once, before the first update,
@@ -292,12 +293,12 @@ def _reference(cfg: Config, policy, sets: dict[str, list], *, run_dir: Path, res
         t_ref = time.perf_counter()
         scorer = policy
         if cfg.ref_model or resuming:
-            scorer = _load_reference(cfg, ref_key, load)
+            scorer = _load_reference(cfg, ref_key, load, pack=pack, share=share)
         ref_cache = {}
         for name, exs in sets.items():
             if exs:
                 ref_cache[name] = score_examples(scorer, exs, paired=cfg.loss != "kto", batch_size=cfg.eval_batch_size,
-                                                 pad_id=pad_id, device=device, share_prompt=share, packed=cfg.packing,
+                                                 pad_id=pad_id, device=device, share_prompt=share, packed=pack,
                                                  progress=cfg.logging.progress, desc=f"{cfg.loss} reference ({name})")
         del scorer
         ref_seconds = time.perf_counter() - t_ref
@@ -305,14 +306,16 @@ def _reference(cfg: Config, policy, sets: dict[str, list], *, run_dir: Path, res
             save_reference_cache(run_dir / REF_FILE, ref_cache, fp)
         return None, ref_cache, ref_seconds
     if not m.lora.enabled or cfg.ref_model:
-        return _load_reference(cfg, ref_key, load).eval().requires_grad_(False), {}, 0.0
+        return _load_reference(cfg, ref_key, load, pack=pack, share=share).eval().requires_grad_(False), {}, 0.0
     return None, {}, 0.0
 
 
-def _load_reference(cfg: Config, key: str, load: dict) -> torch.nn.Module:
+def _load_reference(cfg: Config, key: str, load: dict, *, pack: bool, share: bool) -> torch.nn.Module:
+    """The reference model, set up like the policy (a ``ref_model`` of another architecture that
+    cannot run varlen's continuations scores shared prompts in padded rows: ``sequence_logps``)."""
     model = load_causal_lm(cfg.ref_model or cfg.model.path, key=key, **load)
-    if cfg.packing:
-        packed_attention(model, cfg.model.attn_implementation)
+    if pack:
+        varlen.choose([model], cfg.model.attn_implementation, packing=cfg.packing, share=share)
     return model
 
 
@@ -335,12 +338,12 @@ class PreferenceLosses:
     model, or from the policy with its LoRA adapter off."""
 
     def __init__(self, cfg: Config, policy, sets: dict[str, list], *, ref_model, ref_cache: dict[str, torch.Tensor],
-                 pad_id: int, device):
+                 pad_id: int, device, pack: bool, share: bool):
         self.cfg, self.policy, self.sets = cfg, policy, sets
         self.ref_model, self.ref_cache, self.pad_id, self.device = ref_model, ref_cache, pad_id, device
         self.kto = cfg.loss == "kto"
-        self.packed = cfg.packing
-        self.share = cfg.share_prompt and not self.kto and not self.packed
+        self.packed = pack
+        self.share = share
 
     @torch.no_grad()
     def reference_logps(self, name: str, idx: list[int], mb: dict[str, torch.Tensor]) -> torch.Tensor | None:
@@ -460,18 +463,19 @@ def train(cfg: Config) -> RunResult:
     load = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code, device=device)
     policy = load_causal_lm(m.path, gradient_checkpointing=m.gradient_checkpointing, lean_activations=m.lean_activations,
                             **load)
-    if cfg.packing:
-        packed_attention(policy, m.attn_implementation)
+    # packed rows run sequence by sequence (relign.models.varlen); a pair's prompt runs once, its
+    # rejected response continuing it in the packed row where varlen applies, else both
+    # responses in padded rows against its KV cache
+    pack, share = varlen.choose([policy], m.attn_implementation, packing=cfg.packing, share=cfg.share_prompt and not kto)
     if m.lora.enabled:
         policy = apply_lora(policy, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout, target_modules=m.lora.target_modules)
     banner.start("dpo", cfg, model=policy, **run_facts)
     pad_id = tok.pad_token_id
-    share = cfg.share_prompt and not kto and not cfg.packing
 
     # ---- reference log-probs: once, before the first update, cached in the run directory
     ckpt = resolve_resume(cfg.resume, run_dir)
     ref_model, ref_cache, ref_seconds = _reference(cfg, policy, sets, run_dir=run_dir, resuming=ckpt is not None, load=load,
-                                                   share=share, pad_id=pad_id, device=device)
+                                                   pack=pack, share=share, pad_id=pad_id, device=device)
 
     if ckpt is not None:
         load_model_weights(policy, ckpt)
@@ -491,7 +495,8 @@ def train(cfg: Config) -> RunResult:
                             keep_last=cfg.checkpoint.keep_last)
         distributed.barrier()
 
-    losses = PreferenceLosses(cfg, policy, sets, ref_model=ref_model, ref_cache=ref_cache, pad_id=pad_id, device=device)
+    losses = PreferenceLosses(cfg, policy, sets, ref_model=ref_model, ref_cache=ref_cache, pad_id=pad_id, device=device,
+                              pack=pack, share=share)
 
     lg = cfg.logging
     bar = ("train/loss", "train/rewards/accuracy", "train/rewards/margins", "perf/pairs_per_s") if not kto else \

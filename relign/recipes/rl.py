@@ -47,8 +47,8 @@ from ..checkpoint import (
 from ..config import ConfigError
 from ..data.collate import StepSampler
 from ..evaluate import PeriodicEval, check_eval_during_training
+from ..models import varlen
 from ..models.loading import load_model_tokenizer, resolve_device, trainable_parameters
-from ..models.varlen import packed_attention
 from ..optim import build_optimizer, build_training
 from ..rollout.batch import RolloutBatch, build_batch
 from ..rollout.traces import write_traces
@@ -126,10 +126,11 @@ def _setup(cfg: Config, device, run_dir) -> tuple[_Run, Callable[[int], None]]:
         critic = distributed.wrap_fsdp(critic)
         critic_opt = build_optimizer(critic, lr=cfg.critic.lr, weight_decay=cfg.optim.weight_decay,
                                      betas=(cfg.optim.beta1, cfg.optim.beta2))
-    if cfg.packing:  # packed rows sequence by sequence, with no dense block mask (relign.models.varlen)
-        for model in (policy, ref, critic):
-            if model is not None:
-                packed_attention(model, m.attn_implementation)
+    # packed rows run sequence by sequence (relign.models.varlen); a group's prompt runs once,
+    # its responses continuing it in the packed row where varlen applies, else in padded rows
+    # against its KV cache
+    pack, share = varlen.choose([policy, ref, critic], m.attn_implementation, packing=cfg.packing,
+                                share=cfg.share_prompt and ro.n > 1)
     if ckpt is not None:
         load_model_weights(policy, ckpt)
     engine = build.engine_for(ro.engine, policy, tok, max_batch_rows=ro.max_batch_rows, seed=cfg.seed, m=m, vllm=ro.vllm,
@@ -158,8 +159,9 @@ def _setup(cfg: Config, device, run_dir) -> tuple[_Run, Callable[[int], None]]:
                                 bar_keys=("reward/mean", "reward/score", "actor/kl", "response/length_mean", "perf/tokens_per_s"))
     if start:
         tracker.write(f"resumed from {ckpt} at step {start}")
-    kind = "packed" if cfg.packing else ("shared" if cfg.share_prompt and ro.n > 1 else "padded")
-    layout = Layout(kind, group_size=ro.n, max_tokens=cfg.max_tokens_per_micro, max_rows=cfg.micro_batch_size)
+    kind = "packed" if pack else ("shared" if share else "padded")
+    layout = Layout(kind, group_size=ro.n if share else 1, max_tokens=cfg.max_tokens_per_micro,
+                    max_rows=cfg.micro_batch_size)
     loss_fn = ActorLoss(a.policy_loss, a.clip_low, a.clip_high, a.dual_clip, a.kl_coef if a.kl == "loss" else 0.0,
                         a.kl_estimator, a.entropy_coef, a.loss_agg, collector.max_response_tokens)
     options = AdvantageOptions(ro.n, a.scale_rewards, a.gamma, a.lam, a.whiten_advantages)

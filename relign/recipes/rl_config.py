@@ -236,13 +236,15 @@ class Config:
     prompts_per_step: int = 8
     """Prompts per step over all ranks; the batch holds prompts_per_step x rollout.n completions."""
     max_tokens_per_micro: int = 4096
-    """Token budget of one forward/backward pass on one rank: prompt + response tokens (a shared prompt once, its G responses at the group's longest; 0 = no limit)."""
+    """Token budget of one forward/backward pass on one rank: prompt + response tokens as computed (a shared prompt once; 0 = no limit)."""
     micro_batch_size: int = 0
     """Most sequences in one forward/backward pass (0 = no limit: max_tokens_per_micro decides)."""
     share_prompt: bool = True
-    """Padded micro-batches: run each group's prompt once and reuse its KV cache for the G responses."""
+    """Run each group's prompt once: its G responses follow it in one packed row where relign's varlen attention
+    applies (sdpa; Qwen2/3, Llama, Mistral), else they run padded against its KV cache."""
     packing: bool = False
-    """Pack each micro-batch's sequences into one row with per-sequence position ids (flash-attention varlen on GPU)."""
+    """Pack each micro-batch's sequences into one row with per-sequence position ids, also where share_prompt cannot
+    (flash-attention's varlen kernel on GPU: every sequence then runs whole)."""
     traces_per_step: int = 64
     """Completions written to rollouts/step_N.jsonl each step (0 = none)."""
     nan_patience: int = 3

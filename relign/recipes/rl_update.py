@@ -9,14 +9,18 @@ Karmarkar–Karp (``data.balance``), every rank running the same number of passe
 micro-batch runs in one of three layouts, all giving the same per-token log-probs:
 
 * ``shared``  rows padded, each group's prompt computed once and its KV cache reused by the
-              group's G responses (``shared_prefix_token_logps``; the fastest on CPU). A group
+              group's G responses (``shared_prefix_token_logps``; for models ``varlen`` does
+              not cover: elsewhere ``packed`` with groups does the same with no padding). A group
               larger than the row budget is split over micro-batches: its prompt runs once, at
               the first part, and its gradient goes back through the prompt once, after the
               last (``GroupPrefix``);
 * ``padded``  rows right-padded to the micro-batch's longest row;
 * ``packed``  the micro-batch's sequences concatenated in one row with per-sequence position
-              ids: no padding at all; transformers turns the position ids into varlen
-              flash-attention on GPU and a block-diagonal causal mask with SDPA/eager on CPU.
+              ids: no padding at all. Attention runs sequence by sequence (``models.varlen``;
+              flash-attention's varlen kernel; else a block-diagonal mask). With ``varlen``
+              and groups (``group_size`` > 1), a group's prompt runs once: its other responses
+              follow in the row as continuations of it (``varlen.segments``), each repeating
+              the prompt's last token, whose logits score the response's first.
 
 Whatever the layout, results come back in the batch's row layout [n, L], so the losses,
 masks and metrics below never see it.
@@ -43,6 +47,7 @@ from ..algorithms.trpo import self_kl, surrogate_objective, token_kl, trpo_step
 from ..data.balance import micro_batch_plan
 from ..models import lean
 from ..models.logprobs import PromptPrefix, prompt_prefix, response_token_logps, shared_prefix_token_logps, token_logps
+from ..models.varlen import continuation_starts, pack_index
 from ..optim import clip_gradients
 from ..rollout.batch import RolloutBatch
 
@@ -100,12 +105,19 @@ class GroupPrefix:
 
 def plan(batch: RolloutBatch, rows: torch.Tensor, layout: Layout) -> list[MicroBatch]:
     """This rank's micro-batches of ``rows`` (whole groups for the shared layout)."""
-    G = layout.group_size if layout.kind == "shared" else 1
+    G = layout.group_size if layout.kind != "padded" else 1
     items = rows.view(-1, G)  # [n_items, G]
     seq = batch.seq_lens[items]  # [n_items, G]
     # positions as computed: a shared prompt once, and its G responses padded to the longest
+    # (shared), or each response plus the prompt's last token again (packed)
     prompt = batch.prompt_lens[items[:, 0]]  # [n_items]
-    sizes = (prompt + G * (seq - prompt.unsqueeze(-1)).amax(-1)).tolist() if G > 1 else seq[:, 0].tolist()
+    resp = seq - prompt.unsqueeze(-1)
+    if G == 1:
+        sizes = seq[:, 0].tolist()
+    elif layout.kind == "packed":
+        sizes = (prompt + resp.sum(-1) + G - 1).tolist()
+    else:
+        sizes = (prompt + G * resp.amax(-1)).tolist()
     max_items = max(1, layout.max_rows // G) if layout.max_rows else 0
     mine = micro_batch_plan(sizes, ranks=distributed.world_size(), max_tokens=layout.max_tokens, max_items=max_items)
     mine = mine[distributed.rank()]
@@ -114,20 +126,29 @@ def plan(batch: RolloutBatch, rows: torch.Tensor, layout: Layout) -> list[MicroB
     if G > 1 and layout.max_rows and G > layout.max_rows:
         # one group per micro-batch (max_items = 1) is more rows than the budget: split it in k
         # parts of at most max_rows (the same k on every rank: every rank runs the same passes)
+        # parts of at most max_rows (the same k on every rank: every rank runs the same passes);
+        # a packed part runs the prompt again, a shared one reuses it (GroupPrefix)
         k = math.ceil(G / layout.max_rows)
-        out = [MicroBatch(rows, m.weight, part=(i, k)) for m in out for i, rows in enumerate(m.rows.tensor_split(k))]
+        shared = layout.kind == "shared"
+        out = [MicroBatch(rows, m.weight, part=(i, k) if shared else None) for m in out
+               for i, rows in enumerate(m.rows.tensor_split(k))]
     return out
 
 
 # --------------------------------------------------------------------------- forward passes
 
 
-def _packed(batch: RolloutBatch, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _packed(batch: RolloutBatch, rows: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rows' real tokens in one row: ids, position ids, response mask [1, S], and the
-    (row, column) of each packed token [S] for scattering results back."""
-    lens = batch.seq_lens[rows]  # [n]
-    row_of = torch.repeat_interleave(torch.arange(len(rows), device=rows.device), lens)  # [S]
-    col = torch.arange(int(lens.sum()), device=rows.device) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+    (row, column) of each packed token [S] for scattering results back. With groups of ``G > 1``
+    a row after the first of its group packs only its prompt's last token and its response,
+    which continue the group's prompt (``varlen.segments``): each prompt runs once."""
+    starts = None
+    if G > 1:
+        same = torch.zeros(len(rows), dtype=torch.bool, device=rows.device)
+        same[1:] = rows[1:] // G == rows[:-1] // G  # a group's rows are consecutive in the batch
+        starts = continuation_starts(batch.prompt_lens[rows], same)
+    row_of, col = pack_index(batch.seq_lens[rows], starts)  # [S]
     r = rows[row_of]
     return batch.input_ids[r, col][None], col[None], batch.response_mask[r, col][None], torch.stack([row_of, col])
 
@@ -152,7 +173,7 @@ def forward_logps(model, batch: RolloutBatch, rows: torch.Tensor, layout: Layout
         on = mb["response_mask"]  # the whole response span is scored: keep the model's tokens only (not an env's)
         return lp * on, ent * on if ent is not None else None
     if layout.kind == "packed":
-        ids, pos, rmask, where = _packed(batch, rows)
+        ids, pos, rmask, where = _packed(batch, rows, layout.group_size)
         lp, ent = token_logps(model, ids, position_ids=pos, target_mask=rmask, **kw)  # [1, S]
         # a packed segment's first token is scored against the previous segment: never a target
         back = lambda x: x.new_zeros(len(rows), L).index_put((where[0], where[1]), x[0] * rmask[0])  # noqa: E731
@@ -168,7 +189,7 @@ def forward_values(critic, batch: RolloutBatch, rows: torch.Tensor, layout: Layo
     """V(s_t) [n, L] of the rows (the critic has no shared-prompt path: shared runs padded)."""
     L = batch.input_ids.shape[1]
     if layout.kind == "packed":
-        ids, pos, rmask, where = _packed(batch, rows)
+        ids, pos, rmask, where = _packed(batch, rows, layout.group_size)
         v = critic(ids, position_ids=pos)  # [1, S]
         return v.new_zeros(len(rows), L).index_put((where[0], where[1]), v[0] * rmask[0])
     width = int(batch.seq_lens[rows].max())

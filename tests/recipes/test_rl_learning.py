@@ -37,22 +37,35 @@ def test_ppo_with_critic_learns(tiny_model_dir, tmp_path):
     assert first < 0.35 and last > first + 0.4, rewards
 
 
-def test_shared_prompt_forwards_do_not_change_the_step(tiny_model_dir, tmp_path):
-    """share_prompt computes each group's prompt once; losses, KL and rewards stay the same."""
+def test_shared_prompt_forwards_do_not_change_the_step(tiny_model_dir, tmp_path, monkeypatch):
+    """share_prompt computes each group's prompt once (by default in a packed row, the responses
+    continuing the prompt; with packing=true the same); losses, KL and rewards stay those of
+    padded full rows. The layout each run's forwards used is recorded."""
+    import relign.recipes.rl_update as ru
     from relign.recipes import rl as rl_recipe
 
-    def run(share, sub):
+    seen: set = set()
+    real = ru.forward_logps
+    monkeypatch.setattr(ru, "forward_logps", lambda model, batch, rows, layout, **kw:
+                        seen.add((layout.kind, layout.group_size)) or real(model, batch, rows, layout, **kw))
+
+    def run(sub, *extra):
+        seen.clear()
         cfg = load_config(rl_recipe.Config, None, [
             *toy_overrides(tiny_model_dir, tmp_path / sub, fn="graded"), f"run_dir={tmp_path / sub / 'run'}",
             "checkpoint.save_final=false", "traces_per_step=0", "rollout.n=4", "prompts_per_step=4", "micro_batch_size=8",
-            "max_steps=3", "algorithm.kl=loss", "algorithm.kl_coef=0.1", "algorithm.mini_batches=2", "optim.lr=1e-3", f"share_prompt={share}",
+            "max_steps=3", "algorithm.kl=loss", "algorithm.kl_coef=0.1", "algorithm.mini_batches=2", "optim.lr=1e-3", *extra,
         ])
-        return [(r["reward/mean"], r["actor/loss"], r["actor/kl"]) for r in rl_recipe.train(cfg).history if "reward/mean" in r]
+        hist = [(r["reward/mean"], r["actor/loss"], r["actor/kl"]) for r in rl_recipe.train(cfg).history if "reward/mean" in r]
+        return hist, set(seen)
 
-    a, b = run("true", "a"), run("false", "b")
-    assert len(a) == 3
-    for x, y in zip(a, b):
-        assert x == pytest.approx(y, abs=1e-5)
+    padded, padded_layouts = run("b", "share_prompt=false")
+    assert padded_layouts == {("padded", 1)} and len(padded) == 3
+    for sub, extra in (("a", ()), ("c", ("packing=true",))):
+        shared, layouts = run(sub, *extra)
+        assert layouts == {("packed", 4)}, sub  # the tiny Qwen2 with sdpa: varlen applies
+        for x, y in zip(shared, padded, strict=True):
+            assert x == pytest.approx(y, abs=1e-5), sub
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ from ..conftest import torch_threads
 
 G = 4
 TOL = 1e-5
+PACKED_SHARED = Layout("packed", group_size=G)  # a group's prompt once, its responses continuing it in the row
 ENV_ROW = 6  # the multi-turn row: environment tokens in the middle of its response
 
 
@@ -147,6 +148,8 @@ def test_layouts_give_the_same_logps_and_entropy(proto, batch):
             out[name] = forward_logps(proto, batch, rows, layout, temperature=1.0, with_entropy=True)
         out["packed, by sequence"] = forward_logps(by_sequence, batch, rows, Layout("packed"), temperature=1.0,
                                                    with_entropy=True)
+        out["packed, prompt once"] = forward_logps(by_sequence, batch, rows, PACKED_SHARED, temperature=1.0,
+                                                   with_entropy=True)
     ref_lp, ref_ent = out["padded"]
     assert (ref_lp[m.bool()] < 0).all()  # real log-probs on every target
     assert (ref_ent[m.bool()] > 0).all()
@@ -202,6 +205,9 @@ def test_packed_padded_shared_update_same_loss_and_grads(proto, batch, agg):
     _assert_same(runs["packed"], runs["padded"])
     _assert_same(runs["shared"], runs["padded"])
     _assert_same(runs["packed, by sequence"], runs["padded"])
+    runs["packed, prompt once"] = _update(proto, batch, PACKED_SHARED, loss_fn, advantages=adv, old_logps=old,
+                                          by_sequence=True)
+    _assert_same(runs["packed, prompt once"], runs["padded"])
     for key in ("actor/clip_frac", "actor/entropy"):
         assert runs["packed"][2][key] == pytest.approx(runs["padded"][2][key], abs=TOL)
         assert runs["shared"][2][key] == pytest.approx(runs["padded"][2][key], abs=TOL)
@@ -224,6 +230,9 @@ def test_layouts_same_with_kl_entropy_and_two_mini_batches(proto, batch):
     split = _update(proto, batch, Layout("shared", group_size=G, max_rows=3), loss_fn, mini_batches=minis,
                     advantages=adv, old_logps=old, ref_logps=ref, tis=tis)
     _assert_same(split, runs["padded"])
+    for layout in (PACKED_SHARED, Layout("packed", group_size=G, max_rows=3)):  # whole groups; parts, each with its prompt
+        _assert_same(_update(proto, batch, layout, loss_fn, mini_batches=minis, advantages=adv, old_logps=old,
+                             ref_logps=ref, tis=tis, by_sequence=True), runs["padded"])
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
@@ -244,6 +253,10 @@ def test_micro_batching_changes_nothing(proto, batch, agg):
     ):
         assert len(plan(batch, torch.arange(batch.size), layout)) > 1
         _assert_same(_update(proto, batch, layout, loss_fn, advantages=adv, old_logps=old), one)
+    for layout in (Layout("packed", group_size=G, max_rows=G), Layout("packed", group_size=G, max_rows=2),
+                   Layout("packed", group_size=G, max_tokens=60)):
+        assert len(plan(batch, torch.arange(batch.size), layout)) > 1
+        _assert_same(_update(proto, batch, layout, loss_fn, advantages=adv, old_logps=old, by_sequence=True), one)
 
 
 @pytest.mark.parametrize("layout", [Layout("shared", group_size=G), Layout("shared", group_size=G, max_rows=2),
@@ -351,6 +364,7 @@ def test_simulated_ranks_sum_to_the_single_process_update(proto, batch, monkeypa
     Layout("padded"), Layout("padded", max_tokens=40), Layout("packed", max_tokens=30, max_rows=3),
     Layout("padded", max_rows=1), Layout("shared", group_size=G), Layout("shared", group_size=G, max_tokens=60),
     Layout("shared", group_size=G, max_rows=5), Layout("shared", group_size=G, max_rows=3),
+    Layout("packed", group_size=G, max_tokens=60), Layout("packed", group_size=G, max_rows=3),
 ])
 def test_plan_covers_each_row_once_within_budget(batch, layout):
     rows = torch.arange(batch.size)
@@ -358,10 +372,11 @@ def test_plan_covers_each_row_once_within_budget(batch, layout):
     assert all(m.weight == 1.0 for m in micro)  # one process: no padding passes
     got = [r for m in micro for r in m.rows.tolist()]
     assert sorted(got) == list(range(batch.size))
-    shared = layout.kind == "shared"
+    shared = layout.group_size > 1
     if shared and layout.max_rows and layout.max_rows < G:  # groups split in parts of <= max_rows, in order
         k = -(-G // layout.max_rows)
-        assert [m.part for m in micro] == [(i, k) for _ in range(batch.size // G) for i in range(k)]
+        parts = [(i, k) if layout.kind == "shared" else None for _ in range(batch.size // G) for i in range(k)]
+        assert [m.part for m in micro] == parts  # a packed part runs its own prompt
         assert all(len(m.rows) <= layout.max_rows for m in micro)
         assert [r for m in micro for r in m.rows.tolist()] == sorted(got)
         return
@@ -372,7 +387,10 @@ def test_plan_covers_each_row_once_within_budget(batch, layout):
             for k in range(0, len(r), G):
                 assert r[k] % G == 0 and r[k : k + G] == list(range(r[k], r[k] + G))
             # tokens as computed: each group's prompt once
-            tokens = sum(int(batch.seq_lens[r[k : k + G]].sum() - (G - 1) * batch.prompt_lens[r[k]]) for k in range(0, len(r), G))
+            # (packed: each later response repeats the prompt's last token)
+            again = 1 if layout.kind == "packed" else 0
+            tokens = sum(int(batch.seq_lens[r[k : k + G]].sum() - (G - 1) * (batch.prompt_lens[r[k]] - again))
+                         for k in range(0, len(r), G))
             items = len(r) // G
         else:
             tokens, items = int(batch.seq_lens[m.rows].sum()), len(r)
@@ -399,6 +417,21 @@ def test_split_groups_score_like_whole_groups_and_run_each_prompt_once(proto, ba
     split = score_logps(proto, batch, micro, layout, temperature=1.0)
     assert len(micro) == batch.size and len(calls) == batch.size // G
     torch.testing.assert_close(split, whole, atol=1e-5, rtol=0)
+
+
+def test_packed_groups_run_each_prompt_once(proto, batch, monkeypatch):
+    """The packed row of whole groups holds each prompt once, plus its last token again before
+    each later response: the tokens the forward sees, counted."""
+    model = copy.deepcopy(proto)
+    assert varlen.enable(model)
+    seen = []
+    real = model.forward
+    monkeypatch.setattr(model, "forward", lambda input_ids=None, **kw: seen.append(input_ids.shape) or real(input_ids=input_ids, **kw))
+    with torch.no_grad():
+        forward_logps(model, batch, torch.arange(batch.size), PACKED_SHARED, temperature=1.0)
+    P, T = batch.prompt_lens, batch.seq_lens
+    want = sum(int(T[k : k + G].sum() - (G - 1) * (P[k] - 1)) for k in range(0, batch.size, G))
+    assert seen == [torch.Size([1, want])] and want < int(T.sum()) - 10
 
 
 def test_plan_of_a_mini_batch_keeps_its_rows(batch):
@@ -560,6 +593,11 @@ def test_critic_layouts_and_micro_batches_same_loss_and_grads(critic_proto, batc
         v_packed = forward_values(critic_proto, batch, torch.arange(batch.size), Layout("packed"))
     torch.testing.assert_close(v_packed * m, v * m, atol=TOL, rtol=0)
     assert (v_packed[m == 0] == 0).all()
+    by_sequence = copy.deepcopy(critic_proto)
+    assert varlen.enable(by_sequence)
+    with torch.no_grad():
+        v_once = forward_values(by_sequence, batch, torch.arange(batch.size), PACKED_SHARED)
+    torch.testing.assert_close(v_once * m, v * m, atol=TOL, rtol=0)
     g = torch.Generator().manual_seed(14)
     returns = torch.randn(m.shape, generator=g) * m
     old_values = (v + 0.1 * torch.randn(m.shape, generator=g)) * m
