@@ -12,6 +12,10 @@ reaches a child.
 What a fork cannot change is what was read at import time: environment variables other than
 ``RELIGN_*``, for one. ``run_relign`` sends such runs to a plain subprocess instead.
 
+``--vllm``: a second server that has also imported vLLM (5-6 s of a run's start), for the runs
+that name it; ``run_relign`` keeps every other run on the plain server, whose children have not
+imported it, as a fresh ``relign`` that does not use it has not.
+
 A run on several ranks (``ranks``: each rank's extra environment, torchrun's variables) forks
 one child per rank; when one fails the others are killed, as torchrun does.
 
@@ -32,7 +36,7 @@ import sys
 import traceback
 
 
-def _preload() -> None:
+def _preload(vllm: bool) -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
     from transformers.models.llama import modeling_llama  # noqa: F401
@@ -44,6 +48,14 @@ def _preload() -> None:
 
     for module in [m for m, _ in RECIPES.values()] + [m for m, _, _ in COMMANDS.values()]:
         importlib.import_module(module)
+    if vllm:  # as relign imports it (in-process engine mode and its log level set first)
+        from relign.config import ConfigError
+        from relign.rollout.vllm_engine import import_vllm
+
+        try:
+            import_vllm()
+        except ConfigError:  # not installed: each run says so itself, as a fresh process would
+            pass
 
 
 def _child(req: dict, rank_env: dict, protocol: tuple[int, int]) -> None:
@@ -105,7 +117,7 @@ def main() -> None:
     os.dup2(null, 0)
     os.dup2(null, 1)
     os.close(null)
-    _preload()
+    _preload(vllm="--vllm" in sys.argv[1:])
     requests, replies = os.fdopen(rfd, "r"), os.fdopen(wfd, "w")
     replies.write(json.dumps({"env": dict(os.environ)}) + "\n")
     replies.flush()

@@ -55,9 +55,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 class _ForkServer:
     """The parent side of ``tests/cli_zygote.py``: one per xdist worker, started on first use."""
 
-    def __init__(self):
+    def __init__(self, vllm: bool = False):
         self.log = tempfile.NamedTemporaryFile(prefix="relign-fork-server-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.cli_zygote"], stdin=subprocess.PIPE,
+        flavor = ["--vllm"] if vllm else []
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.cli_zygote", *flavor], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, cwd=REPO,
                                      env={**_SERVER_ENV, "PYTHONUNBUFFERED": "1"})
         self.buf = b""
@@ -116,7 +117,7 @@ class _ForkServer:
         os.unlink(self.log.name)
 
 
-_fork_server: _ForkServer | None = None
+_fork_servers: dict[bool, _ForkServer] = {}  # False: the plain server; True: one that has also imported vLLM
 
 
 def run_relign(args, env: dict | None = None, cwd: Path | None = None, stdin: str | None = None,
@@ -133,13 +134,17 @@ def run_relign(args, env: dict | None = None, cwd: Path | None = None, stdin: st
     them: forked with torchrun's environment, rendezvousing at a TCP store this process holds
     (torchrun's agent store: bound to a free port by the OS, so no port is probed and lost to a
     race), or torchrun itself in the subprocess case."""
-    global _fork_server
     args = [str(a) for a in args]
     # Every run starts from the suite's environment, plus what the test passes: never from
     # what an earlier in-process test left in os.environ (vLLM's import sets VLLM_* variables).
     if fork and sys.platform.startswith("linux") and not os.environ.get("RELIGN_TEST_SUBPROCESS"):  # fork: Linux
+        # a run that names vLLM (rollout.engine=vllm, --engine vllm, ...) forks from a server that
+        # has imported it too (5-6 s a run); every other run from one that has not, as a fresh
+        # process would not have
+        vllm = any("vllm" in a for a in args)
+        _fork_server = _fork_servers.get(vllm)
         if _fork_server is None or _fork_server.proc.poll() is not None:
-            _fork_server = _ForkServer()
+            _fork_server = _fork_servers[vllm] = _ForkServer(vllm)
             atexit.register(_fork_server.close)
         # the server's environment includes what its imports set (setdefault), as a fresh process's would
         child_env = {k: v for k, v in {**_fork_server.env, **(env or {})}.items() if k not in unset}
