@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import sys
 import time
 from collections.abc import Iterable
 
@@ -187,6 +188,13 @@ class VLLMEngine:
         self.startup_s = time.perf_counter() - t0
         self.last_sync_s = 0.0
         self._warm_up(model_path)
+        # what vLLM itself runs (its model config, not what was asked), without its INFO log
+        mc = self.llm.model_config
+        kv = f", KV cache {self.kv_cache_bytes / 2**20:,.0f} MiB" if self.kv_cache_bytes else ""
+        if distributed.is_main():  # on stderr, beside the start banner and the progress bars
+            print(f"{self.key}=vllm: vLLM {vllm.__version__} on {current_platform.device_type}, "
+                  f"{str(mc.dtype).removeprefix('torch.')}, max_model_len {mc.max_model_len}, {max_num_seqs} "
+                  f"sequences{kv}, started in {self.startup_s:.1f} s", file=sys.stderr, flush=True)
 
     def _warm_up(self, model_path: str) -> None:
         """One token, so an unsupported kernel shape fails here, with a clear message, not mid-run."""
