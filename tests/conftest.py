@@ -141,7 +141,7 @@ def run_relign(args, env: dict | None = None, cwd: Path | None = None, stdin: st
         # a run that names vLLM (rollout.engine=vllm, --engine vllm, ...) forks from a server that
         # has imported it too (5-6 s a run); every other run from one that has not, as a fresh
         # process would not have
-        vllm = any("vllm" in a for a in args)
+        vllm = any(a == "vllm" or a.endswith("=vllm") for a in args)
         _fork_server = _fork_servers.get(vllm)
         if _fork_server is None or _fork_server.proc.poll() is not None:
             _fork_server = _fork_servers[vllm] = _ForkServer(vllm)
