@@ -83,7 +83,8 @@ def test_vineppo_learns(tiny_model_dir, tmp_path):
 def test_trpo_learns(tiny_model_dir, tmp_path):
     # one natural-gradient step per batch in a KL trust region, no optimizer; the toy needs big
     # moves (the GRPO test uses lr 1e-2), so the trust region is wide: delta 0.5, light damping
-    # One thread: the run is then the same on every machine of this kind (0.18 -> 1.0 by step 16).
+    # One thread: the run is then the same on every machine of this kind (0.18 -> 0.98 at step 16,
+    # 1.0 from step 17).
     # 6 conjugate-gradient iterations (the default is 15) cost 2.5x less per step, and on this toy
     # the run learns sooner with them (15 iterations: 0.22 -> 0.96 over 30 steps in 61 s; these 20
     # steps take 15 s)
