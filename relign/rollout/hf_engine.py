@@ -51,7 +51,15 @@ def sample_tokens(
     ``uniforms`` [R] in [0, 1): the draws to use (per-row streams); else drawn from ``generator``.
     """
     logits = logits.float()
-    scaled = logits / temperature if temperature > 0 else logits
+    # x / 1 is x exactly: at T = 1 (RL rollouts, evals) the division is a pass over [R, V] for nothing
+    scaled = logits / temperature if temperature > 0 and temperature != 1.0 else logits
+    if temperature > 0 and not (banned or (top_k and top_k < logits.shape[-1]) or top_p < 1.0):
+        # Plain sampling, the rollouts' case: one softmax gives both the CDF and the sampled
+        # token's log-prob, log p(token); log_softmax and then exp would be two passes over the
+        # vocabulary where one does. The same tokens; the log-prob differs by float rounding.
+        probs = torch.softmax(scaled, dim=-1)
+        tokens = _inverse_cdf(probs, uniforms, generator)
+        return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()
     logps_all = torch.log_softmax(scaled, dim=-1)
     masked = scaled
     if banned:
@@ -71,15 +79,22 @@ def sample_tokens(
             drop[..., 0] = False  # the most likely token always stays (top_p = 0 means greedy-like)
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             masked = torch.full_like(masked, float("-inf")).scatter(-1, order, sorted_logits)
-        probs = logps_all.exp() if masked is scaled else torch.softmax(masked, dim=-1)
-        # Inverse-CDF sampling: one uniform per row. torch.multinomial draws per vocabulary
-        # entry and was the largest cost of a decode step after the forward on CPU.
-        cdf = probs.cumsum(-1)
-        if uniforms is None:
-            uniforms = torch.rand(probs.shape[0], generator=generator, device=probs.device, dtype=cdf.dtype)
-        u = uniforms.to(cdf.device, cdf.dtype).unsqueeze(-1) * cdf[:, -1:]
-        tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
+        tokens = _inverse_cdf(torch.softmax(masked, dim=-1), uniforms, generator)
     return tokens, logps_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor | None, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs`` [R, V] by inverse-CDF sampling: one uniform per row.
+    torch.multinomial draws per vocabulary entry and was the largest cost of a decode step
+    after the forward on CPU."""
+    cdf = probs.cumsum(-1)
+    if uniforms is None:
+        uniforms = torch.rand(probs.shape[0], generator=generator, device=probs.device, dtype=cdf.dtype)
+    total = cdf[:, -1:]
+    # u < total strictly: u = uniform x total can round up to total, and the search would then
+    # fall past every token with mass (to a zero-probability tail token, whose log-prob is -inf)
+    u = torch.minimum(uniforms.to(cdf.device, cdf.dtype).unsqueeze(-1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
 class GrowingLayer(DynamicLayer):

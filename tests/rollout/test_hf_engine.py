@@ -330,6 +330,30 @@ def test_sample_tokens_top_p_boundary():
         torch.testing.assert_close(lp, torch.log(torch.tensor([0.5, 0.3, 0.2]))[tok])
 
 
+def test_sample_tokens_plain_sampling_is_inverse_cdf_of_the_softmax():
+    # the path RL rollouts take (no top-k/top-p/ban): tokens by hand from the CDF of
+    # softmax(logits / T) and the given uniforms, log-probs = log_softmax at those tokens
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(256, 50, generator=g) * 2
+    u = torch.rand(256, generator=g)
+    for T in (1.0, 0.7):
+        cdf = torch.softmax(logits / T, -1).cumsum(-1)
+        want = (cdf <= (u * cdf[:, -1])[:, None]).sum(-1)  # first index whose CDF passes u
+        tok, lp = sample_tokens(logits, temperature=T, uniforms=u)
+        assert torch.equal(tok, want)
+        torch.testing.assert_close(lp, torch.log_softmax(logits / T, -1).gather(-1, tok[:, None])[:, 0], atol=1e-6, rtol=0)
+
+
+def test_sample_tokens_uniform_next_to_one_never_picks_a_token_without_mass():
+    # the largest float32 uniform below 1, times the CDF's total, can round up to the total;
+    # the draw must still land on a token with mass (not the -inf tail), on both sampling paths
+    logits = torch.tensor([[0.0, 1.0, 2.0, float("-inf"), float("-inf")]]).repeat(3, 1)
+    u = torch.full((3,), 1.0 - 2.0**-24)
+    for kw in ({}, {"top_k": 4}):
+        tok, lp = sample_tokens(logits, temperature=1.0, uniforms=u, **kw)
+        assert (tok == 2).all() and torch.isfinite(lp).all()
+
+
 def test_sample_tokens_banned_never_sampled():
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(2000, 10, generator=g)
