@@ -90,10 +90,7 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor | None, generator: 
     cdf = probs.cumsum(-1)
     if uniforms is None:
         uniforms = torch.rand(probs.shape[0], generator=generator, device=probs.device, dtype=cdf.dtype)
-    total = cdf[:, -1:]
-    # u < total strictly: u = uniform x total can round up to total, and the search would then
-    # fall past every token with mass (to a zero-probability tail token, whose log-prob is -inf)
-    u = torch.minimum(uniforms.to(cdf.device, cdf.dtype).unsqueeze(-1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    u = uniforms.to(cdf.device, cdf.dtype).unsqueeze(-1) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
