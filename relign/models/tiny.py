@@ -14,10 +14,13 @@ from pathlib import Path
 import torch
 
 # Sizes: hidden, layers, heads, kv heads, MLP width. "small" is ~10M parameters with the
-# default 4096-token vocabulary (the size the throughput benchmarks use).
+# default 4096-token vocabulary (the size the throughput benchmarks use). "shallow" is tiny's
+# width with 2 layers: the demo's model (docs/demo.md), too shallow to add up five numbers in
+# one shot but deep enough for one step at a time, and about 1.7x faster a step than tiny.
 SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "micro": (64, 2, 4, 2, 192),
     "tiny": (128, 4, 4, 2, 384),
+    "shallow": (128, 2, 4, 2, 384),
     "small": (256, 10, 8, 4, 1024),
     "base": (512, 8, 8, 4, 1536),
 }

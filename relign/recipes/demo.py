@@ -48,10 +48,10 @@ KNOWN_TRAIN: dict[str, tuple[str, str]] = {
 class DemoConfig:
     steps: int = 300
     """GRPO steps; each samples group_size completions for each of prompts_per_step training problems."""
-    sft_steps: int = 1500
+    sft_steps: int = 2500
     """SFT warm-start steps (0 = no warm start: RL starts from the model as it is)."""
-    model_size: str = "tiny"
-    """Tiny random model built offline when demo.model is empty: micro, tiny, small or base."""
+    model_size: str = "shallow"
+    """Tiny random model built offline when demo.model is empty: micro, tiny, shallow, small or base."""
     model: str = ""
     """A real model instead of a tiny one: local folder or hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct)."""
     task: str = ARITH

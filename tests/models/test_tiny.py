@@ -34,6 +34,11 @@ def test_deterministic_and_sized(tmp_path):
         assert torch.equal(a, b)
     small, _ = build_tiny_model(size="small")
     assert 9e6 < num_parameters(small) < 12e6  # "about 10M", the benchmark size
+    # the demo's model: tiny's width and heads, half its layers
+    shallow, tiny = build_tiny_model(size="shallow")[0].config, build_tiny_model(size="tiny")[0].config
+    assert (shallow.num_hidden_layers, tiny.num_hidden_layers) == (2, 4)
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        assert getattr(shallow, key) == getattr(tiny, key), key
 
 
 def test_cli_tiny_model(tmp_path):
