@@ -422,7 +422,7 @@ def _check_setup(model_dir: str, prompts_path: str, a: argparse.Namespace) -> di
     from transformers import AutoTokenizer
 
     from relign.data.collate import StepSampler
-    from relign.envs.base import get_task
+    from relign.envs.tasks import get_task
     from relign.envs.tasks import render_prompt
 
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -25,45 +25,18 @@ import shlex
 import shutil
 import sys
 from collections.abc import Iterable, Mapping
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from . import distributed
-
-_state = {"dry_run": False, "depth": 0}
-
-
-class DryRunDone(Exception):
-    """Raised by a recipe after a ``--dry-run`` printed its plan; the CLI exits 0 on it."""
-
-
-def request_dry_run(on: bool = True) -> None:
-    """Make the next recipe print its plan and stop before training (the CLI's ``--dry-run``)."""
-    _state["dry_run"] = on
-
-
-def dry_run_requested() -> bool:
-    return bool(_state["dry_run"])
-
-
-@contextmanager
-def nested():
-    """Recipe runs inside another recipe (the demo's stages, ReST-EM's fine-tunes, the verifier's
-    SFT) print no banner or summary of their own: the outer run's describe the whole."""
-    _state["depth"] += 1
-    try:
-        yield
-    finally:
-        _state["depth"] -= 1
-
-
-def is_nested() -> bool:
-    return _state["depth"] > 0
+from .checkpoint import latest_checkpoint
+from .config import to_yaml
+from .models.loading import count_parameters, model_size
+from .rundir import DryRunDone, dry_run_requested, is_nested, opened
 
 
 def _speaks() -> bool:
-    return _state["depth"] == 0 and distributed.is_main()
+    return not is_nested() and distributed.is_main()
 
 
 # --------------------------------------------------------------------------- pure formatting
@@ -161,44 +134,6 @@ def resume_command(command: str, run_dir: str | os.PathLike, argv: list[str] | N
 # --------------------------------------------------------------------------- facts about the run
 
 
-def count_parameters(model) -> tuple[int, int]:
-    """(total, trainable) parameters; shared tensors (tied embeddings) count once."""
-    total = trainable = 0
-    for p in model.parameters():
-        n = p.numel()
-        total += n
-        trainable += n if p.requires_grad else 0
-    return total, trainable
-
-
-def model_size(path: str, *, kind: str = "causal", lora=None, trust_remote_code: bool = False,
-               key: str = "model.path") -> tuple[int, int]:
-    """(total, trainable) parameters of the model at ``path`` without reading its weights: the
-    architecture is built from its config on the meta device (no memory, no time)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from .config import ConfigError
-    from .models.loading import resolve_model_path
-
-    folder = resolve_model_path(path)
-    try:
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{key}={path}: cannot read the model's config: {str(e).splitlines()[0]}") from None
-    if kind == "seq_cls":
-        config.num_labels = 1
-    auto = AutoModelForSequenceClassification if kind == "seq_cls" else AutoModelForCausalLM
-    with torch.device("meta"):
-        model = auto.from_config(config, trust_remote_code=trust_remote_code)
-    if lora is not None and lora.enabled:
-        from .models.loading import apply_lora
-
-        model = apply_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules,
-                           **({"task_type": "SEQ_CLS", "modules_to_save": ["score"]} if kind == "seq_cls" else {}))
-    return count_parameters(model)
-
-
 def cpu_name(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The CPU's model name and its widest vector extension, e.g. "AMD EPYC, AVX2" (Linux; else
     what ``platform`` knows). Timings depend on it: 2 cores of an AVX2-only EPYC run fp32 matrix
@@ -236,8 +171,6 @@ def _discard_new_run_dir(run_dir: Path) -> bool:
     """Remove what this run's ``open_run`` wrote (``rundir.opened``): the directory it created,
     or its config file in an empty directory it was given. An earlier run's directory, or one
     this process did not open, is left alone. True when nothing of the dry run is left."""
-    from .rundir import opened
-
     if not run_dir.is_dir():
         return True
     how, config_name = opened(run_dir) or ("", "")
@@ -275,10 +208,8 @@ def dry_run(command: str, cfg, *, run_dir, device, data: str, steps: str, model=
     ``model``: the built model, or None to count the parameters from its config (``cfg.model``,
     or ``model_path`` and ``dtype``); ``kind``: causal, seq_cls (a reward model) or frozen
     (inference only: the total is shown, not a trainable share)."""
-    if not dry_run_requested() or _state["depth"]:
+    if not dry_run_requested() or is_nested():
         return
-    from .config import to_yaml
-
     path, params, dtype = _model_facts(cfg, model, model_path, dtype, kind)
     distributed.barrier()  # every rank is here before rank 0 removes the directory
     if distributed.is_main():
@@ -311,8 +242,6 @@ def end(command: str, *, run_dir, seconds: float, metrics: Mapping[str, Any], ke
     CLI refreshes the report once the recipe returns."""
     if not _speaks():
         return
-    from .checkpoint import latest_checkpoint
-
     ckpt = checkpoint if checkpoint is not None else (latest_checkpoint(run_dir) if resumable else None)
     resume = resume_command(command, run_dir, world=distributed.world_size()) if resumable and ckpt else ""
     done = status if status and status != "completed" else ""

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from . import distributed
-from .config import ConfigError
+from .errors import ConfigError
 
 STATE_FILE = "relign_state.json"
 TENSOR_FILE = "trainer_state.pt"
@@ -284,9 +284,7 @@ def resolve_resume(resume: str, run_dir: str | os.PathLike) -> Path | None:
     """
     if not distributed.is_initialized():
         return _resolve_resume(resume, run_dir)
-    from .rundir import on_main_for_all  # late: rundir imports this module
-
-    found = on_main_for_all(lambda: _resolve_resume(resume, run_dir))
+    found = distributed.on_main_for_all(lambda: _resolve_resume(resume, run_dir))
     return None if found is None else Path(found)
 
 

@@ -12,7 +12,11 @@ import logging
 import os
 import sys
 
+from .commands import COMMANDS
+from .commands._common import CommandError
+from .commands.presets import resolve_config_arg
 from .config import ConfigError, format_help, load_config
+from .data.readers import DataError
 from .recipes import RECIPES
 
 USAGE = """usage: relign RECIPE [CONFIG.yaml | PRESET] [key.sub=value ...]
@@ -44,8 +48,6 @@ def _quiet_libraries() -> None:
 
 
 def _usage() -> str:
-    from .commands import COMMANDS
-
     recipes = [f"  {name:<14}  {summary}" for name, (_, summary) in RECIPES.items()]
     commands = []
     for name, (_, args, summary) in COMMANDS.items():
@@ -62,7 +64,7 @@ def _fail(command: str, message: str) -> int:
 def _tiny_model(argv: list[str]) -> int:
     import argparse
 
-    from .models.tiny import SIZES, build_tiny_model, num_parameters
+    from .models.tiny import SIZES, build_tiny_model, num_parameters  # torch and tokenizers: only when asked for
 
     p = argparse.ArgumentParser(prog="relign tiny-model", description="Build a small random model + local tokenizer.")
     p.add_argument("out_dir")
@@ -78,10 +80,6 @@ def _tiny_model(argv: list[str]) -> int:
 
 def _command(command: str, argv: list[str]) -> int:
     """A command of ``relign.commands``: its user errors become one line and exit status 2."""
-    from .commands import COMMANDS
-    from .commands._common import CommandError
-    from .data.readers import DataError
-
     module = importlib.import_module(COMMANDS[command][0])
     try:
         return module.main(argv)
@@ -106,7 +104,7 @@ def split_args(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 def _report(argv: list[str]) -> int:
-    from .report.command import main as report_main
+    from .report.command import main as report_main  # the report reads checkpoints: torch, only when asked for
 
     return report_main(argv)
 
@@ -117,17 +115,16 @@ def run_recipe(command: str, argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(format_help(module.Config, command, summary))
         return 0
-    from . import banner, distributed
-    from .data.readers import DataError
+    from . import distributed, report, rundir  # torch: this module stays light for --help and the commands
 
-    banner.request_dry_run("--dry-run" in argv)
+    rundir.request_dry_run("--dry-run" in argv)
     argv = [a for a in argv if a != "--dry-run"]
     try:
         config_path, overrides = split_args(argv)
         cfg = load_config(module.Config, config_path, overrides)
         result = module.train(cfg)
         distributed.barrier()  # every rank is done with every collective before the group goes
-    except banner.DryRunDone:
+    except rundir.DryRunDone:
         return 0
     except (ConfigError, DataError) as e:
         return _fail(command, str(e))
@@ -138,9 +135,7 @@ def run_recipe(command: str, argv: list[str]) -> int:
         # threads while they are still joinable, which aborts a rank now and then (SIGABRT,
         # "terminate called without an active exception") after a run that succeeded.
         distributed.cleanup()
-    from .report import refresh_after_run
-
-    refresh_after_run(result.run_dir)  # here, not in checkpoint/tracking: those sit below the report
+    report.refresh_after_run(result.run_dir)  # here, not in checkpoint/tracking: those sit below the report
     print(f"run directory: {result.run_dir}")
     return 0
 
@@ -152,8 +147,6 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
-    from .commands import COMMANDS
-
     command, rest = argv[0], argv[1:]
     if command in ("--version", "-V"):
         command = "version"
@@ -166,8 +159,6 @@ def main(argv: list[str] | None = None) -> int:
     if command not in RECIPES:
         return _fail(command, f"unknown command; choose one of {', '.join([*RECIPES, *COMMANDS, 'report', 'tiny-model'])}")
     if not any(a in ("-h", "--help") for a in rest):
-        from .commands.presets import resolve_config_arg
-
         try:  # a preset name or a docs path (examples/NAME.yaml) runs from any folder
             rest = resolve_config_arg(command, rest)
         except ConfigError as e:

@@ -21,9 +21,10 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf  # noqa: F401  (MISSING re-exported)
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from .errors import ConfigError  # noqa: F401  (re-exported: `from relign.config import ConfigError`)
 
-class ConfigError(ValueError):
-    """A config problem a user can fix; the CLI prints it as one line."""
+# Learning-rate schedules after warmup (relign.optim builds them; checked here with the other keys).
+SCHEDULES = ("cosine", "constant")
 
 
 # --------------------------------------------------------------------------- pieces
@@ -90,7 +91,9 @@ class VllmConfig:
 
 
 @dataclass
-class DataConfig:
+class RecordsConfig:
+    """The fields every record reader shares (``data:`` of sft, rm, dpo)."""
+
     path: str = ""
     """Training records: .json/.jsonl/.csv/.parquet/.arrow file, a datasets save_to_disk folder, or a hub id."""
     split: str = "train"
@@ -102,19 +105,13 @@ class DataConfig:
     eval_fraction: float = 0.0
     """Fraction of training rows held out for eval when eval_path is empty."""
     max_length: int = 1024
-    """Longest tokenized example (prompt + response) in tokens."""
+    """Longest tokenized example (prompt + response; each of chosen and rejected) in tokens."""
     truncation: str = "truncate"
-    """Too-long rows: 'truncate' keeps the prompt and cuts the response; 'drop' drops the row."""
+    """Too-long rows: 'truncate' keeps the prompt and cuts the response; 'drop' drops the row (the pair)."""
     skip_bad_rows: bool = False
     """Skip and count malformed rows instead of stopping with an error."""
     prompt_key: str = "prompt"
-    """Field holding the prompt text."""
-    response_key: str = "response"
-    """Field holding the response text."""
-    messages_key: str = "messages"
-    """Field holding a chat as a list of {role, content}."""
-    chat_template: bool = False
-    """Also wrap prompt/response rows in the tokenizer's chat template (chat rows always are)."""
+    """Field holding the prompt (text, or messages for preference rows)."""
     system_prompt: str = ""
     """System message added to chat-templated rows that have none."""
     max_rows: int = 0
@@ -122,25 +119,19 @@ class DataConfig:
 
 
 @dataclass
-class PreferenceDataConfig:
+class DataConfig(RecordsConfig):
+    response_key: str = "response"
+    """Field holding the response text."""
+    messages_key: str = "messages"
+    """Field holding a chat as a list of {role, content}."""
+    chat_template: bool = False
+    """Also wrap prompt/response rows in the tokenizer's chat template (chat rows always are)."""
+
+
+@dataclass
+class PreferenceDataConfig(RecordsConfig):
     path: str = ""
     """Preference records (same formats as SFT data): pairs with prompt/chosen/rejected, or KTO rows."""
-    split: str = "train"
-    """Split to read from a dataset folder or hub id."""
-    eval_path: str = ""
-    """Held-out records; empty means hold out data.eval_fraction of the training rows."""
-    eval_split: str = ""
-    """Split for eval_path (defaults to data.split)."""
-    eval_fraction: float = 0.0
-    """Fraction of training rows held out for eval when eval_path is empty."""
-    max_length: int = 1024
-    """Longest prompt + response in tokens (each of chosen and rejected)."""
-    truncation: str = "truncate"
-    """Too-long rows: 'truncate' keeps the prompt and cuts the response; 'drop' drops the pair."""
-    skip_bad_rows: bool = False
-    """Skip and count malformed rows instead of stopping with an error."""
-    prompt_key: str = "prompt"
-    """Field holding the prompt (text or messages)."""
     chosen_key: str = "chosen"
     """Field holding the preferred response (text, or a conversation ending with it)."""
     rejected_key: str = "rejected"
@@ -153,10 +144,43 @@ class PreferenceDataConfig:
     """KTO: field holding true (desirable) or false (undesirable)."""
     chat_template: bool = True
     """Wrap text prompts in the tokenizer's chat template (message prompts always are)."""
-    system_prompt: str = ""
-    """System message for rows that have none."""
+
+
+@dataclass
+class TaskConfig:
+    """A task of ``relign rl``, ``relign eval`` and ``relign rest``: built-in or custom, its reward and where it runs."""
+
+    name: str = "gsm8k"
+    """Built-in task (gsm8k, math, math500, countdown, calculator) or 'custom' with path + reward_fn."""
+    path: str = ""
+    """Prompts: a file, dataset folder or hub id (empty: the task's default source; eval: its shipped test set)."""
+    split: str = ""
+    """Split to read (empty: the task's default)."""
     max_rows: int = 0
-    """Read at most this many rows (0 = all)."""
+    """Read at most this many prompts (0 = all)."""
+    chat: bool = True
+    """Wrap prompts in the tokenizer's chat template."""
+    system_prompt: str = ""
+    """System message for chat prompts."""
+    max_prompt_length: int = 512
+    """Prompts longer than this (in tokens) are skipped and counted (eval: 0 = no limit)."""
+    format_weight: float = 0.0
+    """Weight of the task's format reward added to correctness."""
+    reward_fn: str = ""
+    """Custom reward function 'path/to/file.py:function' (replaces the task's own)."""
+    reward_style: str = "auto"
+    """How reward_fn is called: auto (from its signature), sample (fn(prompt, response, extra_info))
+    or batch (TRL's fn(prompts, completions, **columns) -> list of floats)."""
+    reward_timeout: float = 10.0
+    """Seconds per reward call; a call that raises or runs longer scores 0 and is counted."""
+    reward_workers: int = 2
+    """Reward worker processes (0 = in-process, no timeout enforcement)."""
+    env: str = ""
+    """Multi-turn environment class 'module:Class' or 'file.py:Class' (empty = the task's own, if any; rl only)."""
+    extract_fn: str = ""
+    """Final-answer extractor 'file.py:function' (response, extra_info) -> str | None for maj@k (built-in tasks have one)."""
+    equal_fn: str = ""
+    """Answer equivalence 'file.py:function' (a, b) -> bool for maj@k (empty: the task's own, else string equality)."""
 
 
 @dataclass
@@ -207,6 +231,61 @@ class CheckpointConfig:
     """Save a checkpoint at the end of training."""
 
 
+# --------------------------------------------------------------------------- the fields every recipe repeats
+#
+# One level of dataclass inheritance (docs/architecture.md, "Configs"): a recipe's ``Config``
+# inherits these and redeclares a field whose default differs (its ``optim`` learning rate, say).
+# Keys and docs stay where ``relign <recipe> --help`` finds them: ``field_docs`` walks the MRO.
+
+
+@dataclass
+class RunFields:
+    """What every run has: its model, how it logs, where it writes, its seed and its device."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run_dir: str = ""
+    """Where config.yaml, metrics.jsonl, checkpoints/ and the run's other files go (empty: runs/<recipe>-<time>)."""
+    seed: int = 0
+    """Seed for initialisation, data order and sampling."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto."""
+
+
+@dataclass
+class TrainFields(RunFields):
+    """What every training run adds: its optimizer, checkpoints and resume."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: str = "none"
+    """'auto' continues from the newest complete checkpoint in run_dir; or a checkpoint path; 'none' starts fresh."""
+
+
+@dataclass
+class StepFields(TrainFields):
+    """An offline trainer's length and batches (sft, rm, dpo, verifier)."""
+
+    max_steps: int = 0
+    """Optimizer steps to run (0 = epochs x steps per epoch)."""
+    epochs: float = 1.0
+    """Passes over the training data when max_steps is 0."""
+    batch_size: int = 16
+    """Examples (rm, dpo: pairs; KTO: examples) per optimizer step, summed over all ranks."""
+    micro_batch_size: int = 4
+    """Examples (pairs) per forward/backward pass on one rank; gradient accumulation covers the rest."""
+
+
+@dataclass
+class BatchFields(StepFields):
+    """...and its held-out evaluation (sft, rm, dpo)."""
+
+    eval_every: int = 0
+    """Evaluate on the held-out rows every N steps (0 = only at the end, when there is eval data)."""
+    eval_batch_size: int = 16
+    """Examples (pairs) per eval forward pass."""
+
+
 # --------------------------------------------------------------------------- docs
 
 
@@ -239,18 +318,19 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp)).replace("typing.", "")
 
 
-def describe_fields(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(dotted key, type, default, doc) for every leaf field of a config dataclass."""
+def describe_fields(cls: type, prefix: str = "", defaults: Any = None) -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, doc) for every leaf field of a config dataclass. A section's
+    defaults are the recipe's (``sft.Config().optim.lr`` is 2e-5, ``OptimConfig().lr`` 1e-5)."""
     rows = []
     docs = field_docs(cls)
     hints = _resolved_hints(cls)
-    defaults = cls()
+    defaults = cls() if defaults is None else defaults
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
         tp = hints.get(f.name, f.type)
         value = getattr(defaults, f.name)
         if dataclasses.is_dataclass(value):
-            rows.extend(describe_fields(type(value), key + "."))
+            rows.extend(describe_fields(type(value), key + ".", value))
             continue
         rows.append((key, _type_name(tp), repr(value), docs.get(f.name, "")))
     return rows
@@ -488,8 +568,6 @@ DTYPE_CHOICES = ("fp32", "float32", "bf16", "bfloat16", "bf16-mixed")
 
 def check_common(cfg: Any) -> None:
     """The shared sections a recipe config has (model, data, optim, checkpoint, logging)."""
-    from .optim import SCHEDULES
-
     m = getattr(cfg, "model", None)
     if isinstance(m, ModelConfig):
         check_choice("model.dtype", m.dtype, DTYPE_CHOICES)
@@ -528,19 +606,3 @@ def check_rows(rows: int, batch_size: int, *, what: str, key: str = "batch_size"
     if rows < batch_size:
         raise ConfigError(f"{what}: {rows} usable training rows are fewer than one batch ({key}={batch_size}); "
                           f"lower {key} or give more data")
-
-
-# Run directories live in relign.rundir (recipes call ``rundir.open_run``); these two names stay
-# importable from here for older code. Imported late: rundir imports this module.
-
-
-def make_run_dir(run_dir: str, recipe: str) -> Path:
-    from .rundir import make_run_dir as _make_run_dir
-
-    return _make_run_dir(run_dir, recipe)
-
-
-def save_resolved_config(cfg: Any, run_dir: Path, name: str = "config.yaml") -> None:
-    from .rundir import save_resolved_config as _save
-
-    _save(cfg, run_dir, name)

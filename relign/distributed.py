@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .errors import ConfigError
+
 
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -93,6 +95,28 @@ def all_gather_object(obj):
     return out
 
 
+def on_main_for_all(fn):
+    """``fn()`` run on rank 0 only, its result (or its error) given to every rank. An error that
+    is not a ConfigError is re-raised as itself on rank 0 and as a RuntimeError elsewhere, so
+    no rank is left waiting in a collective."""
+    answer, failure = None, None
+    if is_main():
+        try:
+            answer = ("ok", fn())
+        except ConfigError as e:
+            answer = ("config", str(e))
+        except Exception as e:
+            answer, failure = ("other", f"{type(e).__name__}: {e}"), e
+    kind, value = all_gather_object(answer)[0]
+    if failure is not None:
+        raise failure
+    if kind == "config":
+        raise ConfigError(value)
+    if kind == "other":
+        raise RuntimeError(f"rank 0 failed: {value}")
+    return value
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a (possibly FSDP-sharded DTensor) parameter; a collective when sharded."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -107,8 +131,10 @@ def _layer_classes(model: torch.nn.Module) -> set[str]:
     return names
 
 
-def wrap_fsdp(model: torch.nn.Module) -> torch.nn.Module:
+def wrap_fsdp(model: torch.nn.Module, mixed: torch.dtype | None = None) -> torch.nn.Module:
     """Shard ``model`` with FSDP2 (``fully_shard``) per decoder layer and at the root.
+    ``mixed``: the compute dtype of a mixed-precision model (``models.precision.mixed_dtype``:
+    bf16 for ``model.dtype=bf16-mixed``), None for a model that computes in its weights' dtype.
 
     No-op on a single process. Parameters become DTensors; gradients are reduce-scattered,
     which averages them over ranks. Recipes normalize losses by global counts and multiply
@@ -121,7 +147,7 @@ def wrap_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     classes = _layer_classes(model)
-    policy = _mixed_precision_policy(model)
+    policy = _mixed_precision_policy(mixed)
     layers = [m for m in model.modules() if m is not model and type(m).__name__ in classes]
     for layer in layers:
         if policy:  # a layer's norms stay fp32, each its own unit (see _mixed_precision_policy)
@@ -134,17 +160,14 @@ def wrap_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _mixed_precision_policy(model: torch.nn.Module) -> dict:
+def _mixed_precision_policy(dtype: torch.dtype | None) -> dict:
     """``model.dtype=bf16-mixed``: the decoder layers' linear weights are all-gathered in bf16
     (half the bytes of fp32) and their gradients reduce-scattered in fp32 into the fp32 shards
     the optimizer keeps. Autocast would round these weights to bf16 for every product anyway,
     so gathering them in bf16 changes no number. What autocast leaves in fp32 stays fp32: the
     norms' weights (their own FSDP units, gathered in fp32), the root's parameters (embeddings,
     final norm, LM head, a critic's head) and the residual stream (``cast_forward_inputs=False``).
-    2 ranks then match 1 to the order of float sums (tested). Nothing for fp32 or bf16."""
-    from .models.precision import mixed_dtype
-
-    dtype = mixed_dtype(model)
+    2 ranks then match 1 to the order of float sums (tested). Nothing for fp32 or bf16 (``dtype`` None)."""
     if dtype is None:
         return {}
     from torch.distributed.fsdp import MixedPrecisionPolicy

@@ -1,4 +1,4 @@
-"""Evaluate a model on a task: accuracy, pass@k, maj@k, response lengths.
+"""Measure a model on a task's problems: by sampling (accuracy, pass@k, maj@k, lengths), or by a search strategy.
 
     for each batch of problems:
         sample     n completions per prompt (one prefill per prompt; seed + batch index)
@@ -7,8 +7,11 @@
     per problem:   c = correct samples of n;  pass@k(n, c, k);  majority answer of the first k
     average over problems
 
-``evaluate(...)`` is the loop on a model already in memory, which ``relign eval``
-(``relign.recipes.eval``), RL (``eval.every``: ``PeriodicEval``, here) and the demo call.
+``evaluate(...)`` is the loop on a model already in memory, through the engine the caller
+built (the run's own in RL, so eval samples the weights being trained), which ``relign eval``
+(``relign.recipes.eval``), RL (``eval.every``: ``PeriodicEval``, here), ReST-EM and the demo
+call. ``search_eval(...)`` runs a search strategy (``relign.strategies``) on the same problems
+and grades its answers (below).
 Prompts are rendered by ``relign.envs.tasks.render_prompt``, the renderer RL's collector
 uses; the votes are ``relign.strategies.voting``'s; tasks come from
 ``relign.envs.tasks.build_task``.
@@ -29,20 +32,20 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from .config import ConfigError
 from .envs.rewards import RewardPool
-from .envs.tasks import build_task, encode_problems
+from .envs.tasks import Problem, encode_problems
 from .rollout.engine import SamplingParams
-from .strategies.base import Problem
+from .strategies.base import Budget, SearchResult
 from .strategies.voting import maj_at_k, majority, vote
 
 log = logging.getLogger(__name__)
@@ -91,16 +94,16 @@ def _guard(fn: Callable[..., Any], default: Any, counter: dict[str, int], key: s
     return call
 
 
-def evaluate(model, tokenizer, task, records, *, n=1, ks=(1,), temperature=0.0, top_p=1.0, max_new_tokens=256,
-             batch_prompts=32, seed=0, engine=None, reward_workers=0, reward_timeout=10.0, progress=True, desc="eval",
+def evaluate(engine, tokenizer, task, records, *, n=1, ks=(1,), temperature=0.0, top_p=1.0, max_new_tokens=256,
+             batch_prompts=32, seed=0, reward_workers=0, reward_timeout=10.0, progress=True, desc="eval",
              top_k: int = 0, stop: Sequence[str] = (), max_prompt_length: int = 0, correct_threshold: float = 1.0,
-             max_batch_rows: int = 256, pool=None) -> tuple[dict, list[dict]]:
-    """Sample ``n`` completions per record, score them, and return (summary, sample rows).
+             pool=None) -> tuple[dict, list[dict]]:
+    """Sample ``n`` completions per record through ``engine``, score them, and return (summary, sample rows).
 
-    ``records`` are task records (``Task.load``). ``engine`` defaults to an ``HFEngine`` on
-    ``model``; each batch is sampled with its own seed (``seed`` + batch index), so a shared
-    engine's random stream (RL's, saved in its checkpoints) is left untouched. The model is put
-    in eval mode while sampling and restored afterwards (the engine does it). ``pool`` reuses a
+    ``records`` are task records (``Task.load``). Each batch is sampled with its own seed
+    (``seed`` + batch index), so a shared engine's random stream (RL's, saved in its
+    checkpoints) is left untouched. The HF engine puts its model in eval mode while sampling
+    and restores it afterwards. ``pool`` reuses a
     ``RewardPool`` for ``task``'s reward; else one is made from ``reward_workers`` (0: in this
     process, no timeout) and closed at the end. ``ks`` greater than ``n`` are skipped.
     ``max_prompt_length`` > 0 skips (and counts) longer prompts.
@@ -126,10 +129,6 @@ def evaluate(model, tokenizer, task, records, *, n=1, ks=(1,), temperature=0.0, 
     if not problems:
         raise ValueError(f"nothing to evaluate: {len(records)} records, {skipped_long} longer than {max_prompt_length} tokens")
 
-    if engine is None:
-        from .recipes.build import engine_for
-
-        engine = engine_for("hf", model, tokenizer, max_batch_rows=max_batch_rows, seed=seed)
     own_pool = pool is None
     pool = pool if pool is not None else RewardPool.from_task(task, num_workers=reward_workers, timeout=reward_timeout)
     stats0 = dict(pool.stats)
@@ -246,85 +245,32 @@ def format_summary(summary: dict[str, float]) -> str:
 # --------------------------------------------------------------------------- inside training (eval.every)
 
 
-@dataclass
-class EvalDuringTrainingConfig:
-    every: int = 0
-    """Evaluate the policy every N steps and at the last step (0 = off); logged as eval/accuracy, eval/pass@k, ..."""
-    path: str = ""
-    """Eval problems: a file, dataset folder or hub id (empty: the task's shipped test set; custom tasks must set it)."""
-    split: str = ""
-    """Split to read (empty: the task's default)."""
-    max_rows: int = 64
-    """Evaluate on the first N problems (0 = all)."""
-    n: int = 1
-    """Samples per problem."""
-    ks: list[int] = field(default_factory=list)
-    """k values of pass@k and maj@k (empty: 1 and n)."""
-    temperature: float = 0.0
-    """Sampling temperature (0 = greedy, needs n = 1)."""
-    max_new_tokens: int = 0
-    """Longest completion (0 = rollout.max_new_tokens)."""
-    batch_prompts: int = 32
-    """Problems sampled together."""
-    samples: bool = True
-    """Write every sample to eval/step_N.jsonl in the run directory."""
-
-
-def check_eval_during_training(cfg: EvalDuringTrainingConfig, *, task: str = "", env: str = "") -> None:
-    """ConfigError for settings that cannot work, before any model is loaded."""
-    if not cfg.every:
-        return
-    if env:
-        raise ConfigError(f"eval.every works with single-turn tasks, not with a multi-turn environment ({env})")
-    if task == "custom" and not cfg.path:
-        raise ConfigError("eval.every with task.name=custom: set eval.path to held-out problems (it may be the training file)")
-    if cfg.every < 0 or cfg.n < 1 or cfg.batch_prompts < 1:
-        raise ConfigError("eval.every must be >= 0, eval.n and eval.batch_prompts >= 1")
-    if cfg.temperature <= 0 and cfg.n > 1:
-        raise ConfigError(f"eval.temperature={cfg.temperature} is greedy: all eval.n={cfg.n} samples would be the same; "
-                          "set eval.temperature > 0 or eval.n=1")
-    bad = [k for k in cfg.ks if not 1 <= k <= cfg.n]
-    if bad:
-        raise ConfigError(f"eval.ks={list(cfg.ks)}: every k must lie in [1, eval.n={cfg.n}]")
-
-
-def is_eval_step(step: int, every: int, last_step: int) -> bool:
-    """Every ``every`` steps and at the last one (so a run always ends with an eval); never when 0."""
-    return every > 0 and (step % every == 0 or step == last_step)
-
-
 class PeriodicEval:
-    """``eval.every`` in a training loop: the problems and the reward pool are set up once, and
-    each call evaluates the current policy through the run's engine (which shares its weights)."""
+    """Held-out evaluation inside a training loop (RL's ``eval.every``): the problems and the reward
+    pool are set up once, and each call evaluates the current policy through the run's engine
+    (which shares its weights), with the same seeds every time, so successive evals differ by the
+    weights and not by sampling luck. Plain temperature sampling (no top-p / top-k)."""
 
-    def __init__(self, cfg: EvalDuringTrainingConfig, tokenizer, run_dir: str | Path, *, task: str, chat: bool,
-                 system_prompt: str, format_weight: float, reward_fn: str, reward_workers: int, reward_timeout: float,
-                 max_prompt_length: int, max_new_tokens: int, stop: Sequence[str] = (), env: str = "", seed: int = 0):
-        check_eval_during_training(cfg, task=task, env=env)
-        self.cfg, self.tok, self.run_dir, self.seed = cfg, tokenizer, Path(run_dir), seed
-        self.task = build_task(task, path=cfg.path, reward_fn=reward_fn, chat=chat, system_prompt=system_prompt,
-                               format_weight=format_weight)
-        # custom tasks read cfg.path as their default; built-in ones their shipped test set
-        self.records = self.task.load(cfg.path or None, cfg.split or None, max_rows=cfg.max_rows)
-        self.ks = sorted(set(cfg.ks)) or sorted({1, cfg.n})
-        # plain temperature sampling (no top-p/top-k), with the rollouts' stop strings
-        self.sampling = dict(temperature=cfg.temperature, stop=tuple(stop), max_new_tokens=cfg.max_new_tokens or max_new_tokens)
-        self.max_prompt_length = max_prompt_length
-        self.pool = RewardPool.from_task(self.task, num_workers=reward_workers, timeout=reward_timeout)
+    def __init__(self, task, records: list[dict], tokenizer, run_dir: str | Path, *, every: int, n: int = 1,
+                 ks: Sequence[int] = (), temperature: float = 0.0, max_new_tokens: int = 256, batch_prompts: int = 32,
+                 samples: bool = True, stop: Sequence[str] = (), max_prompt_length: int = 0, seed: int = 0,
+                 reward_workers: int = 0, reward_timeout: float = 10.0):
+        self.task, self.records, self.tok, self.run_dir = task, records, tokenizer, Path(run_dir)
+        self.every, self.samples, self.seed = every, samples, seed
+        self.options = dict(n=n, ks=sorted(set(ks)) or sorted({1, n}), temperature=temperature, stop=tuple(stop),
+                            max_new_tokens=max_new_tokens, batch_prompts=batch_prompts, max_prompt_length=max_prompt_length)
+        self.pool = RewardPool.from_task(task, num_workers=reward_workers, timeout=reward_timeout)
 
     def due(self, step: int, last_step: int) -> bool:
-        return is_eval_step(step, self.cfg.every, last_step)
+        """Every ``every`` steps and at the last one (so a run always ends with an eval); never when 0."""
+        return self.every > 0 and (step % self.every == 0 or step == last_step)
 
-    def __call__(self, model, engine, step: int, write: Callable[[str], None] | None = None) -> dict[str, float]:
-        """Evaluate now; returns the summary as ``eval/<metric>`` plus ``time/eval_s``. Every call
-        uses the same seeds, so successive evals differ by the weights, not by sampling luck."""
+    def __call__(self, engine, step: int, write: Callable[[str], None] | None = None) -> dict[str, float]:
+        """Evaluate now; returns the summary as ``eval/<metric>`` plus ``time/eval_s``."""
         t0 = time.perf_counter()
-        summary, rows = evaluate(
-            model, self.tok, self.task, self.records, n=self.cfg.n, ks=self.ks, batch_prompts=self.cfg.batch_prompts,
-            seed=self.seed, engine=engine, pool=self.pool, progress=False,
-            max_prompt_length=self.max_prompt_length, **self.sampling,
-        )
-        if self.cfg.samples:
+        summary, rows = evaluate(engine, self.tok, self.task, self.records, seed=self.seed, pool=self.pool, progress=False,
+                                 **self.options)
+        if self.samples:
             write_samples(self.run_dir / "eval" / f"step_{step}.jsonl", rows)
         if write is not None:
             write(f"step {step} eval: {format_summary(summary)}")
@@ -334,7 +280,124 @@ class PeriodicEval:
         self.pool.close()
 
 
+# --------------------------------------------------------------------------- by a search strategy
+#
+#     for each batch of problems (searched in lockstep):
+#         results = strategy.search(engine, task, batch, budget=..., scorer=...)
+#     grade      each chosen answer with the task's reward (gold answer used here, after the search)
+#     summarize  accuracy with its 95% Wilson interval, generated tokens per question, engine calls
+#
+# The grading reads the gold answer; the search never does (the guard in ``strategies.scorers``).
+
+
+def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion k / n (95% for z = 1.96).
+
+    Unlike the normal approximation it stays inside [0, 1] and is not empty at k = 0 or n:
+    center (p + z²/2n) / (1 + z²/n), half-width z·sqrt(p(1−p)/n + z²/4n²) / (1 + z²/n).
+    """
+    if n <= 0:
+        return 0.0, 0.0
+    p = k / n
+    d = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / d
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+class CountingEngine:
+    """An engine wrapper that counts ``generate`` calls (the lockstep figure of a whole eval)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, 0
+
+    def generate(self, prompts, params, *, seeds=None):
+        self.calls += 1
+        return self.engine.generate(prompts, params, seeds=seeds)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+
+def search_eval(strategy, engine, task, problems: list[Problem], *, budget: Budget, scorer=None, seed: int = 0,
+                pool, batch_problems: int = 64, correct_threshold: float = 1.0, progress: bool = True,
+                desc: str = "search") -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Search every problem, grade the answers, and return (summary, one row per problem).
+
+    ``pool`` (a ``RewardPool`` for ``task``) grades the chosen solutions: a reward that raises
+    or hangs grades 0. A problem whose scorer raised is counted in ``failed`` and graded wrong.
+    """
+    counter = CountingEngine(engine)
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(problems), desc=desc, disable=not progress, dynamic_ncols=True, file=sys.stderr,
+               mininterval=0.5 if sys.stderr.isatty() else 5.0)
+    try:
+        for start in range(0, len(problems), batch_problems):
+            chunk = problems[start : start + batch_problems]
+            results = strategy.search(counter, task, chunk, budget=budget, scorer=scorer, seed=seed)
+            rows.extend(_grade(task, chunk, results, pool, correct_threshold, strategy.name))
+            bar.update(len(chunk))
+            bar.set_postfix(acc=f"{sum(r['correct'] for r in rows) / len(rows):.3f}",
+                            tok=f"{sum(r['cost']['generated_tokens'] for r in rows) / len(rows):.0f}", refresh=False)
+    finally:
+        bar.close()
+    wall = time.perf_counter() - t0
+    return summarize(rows, engine_calls=counter.calls, wall_s=wall), rows
+
+
+def _grade(task, problems: Sequence[Problem], results: Sequence[SearchResult], pool, threshold: float,
+           name: str) -> list[dict[str, Any]]:
+    graded = [(p, r) for p, r in zip(problems, results) if r.chosen is not None and r.error is None]
+    scores = pool.score([p.prompt_text for p, _ in graded], [r.chosen.text for _, r in graded],
+                        [p.extra_info for p, _ in graded]) if graded else []
+    score_of = {id(r): s for (_, r), s in zip(graded, scores)}
+    rows = []
+    for p, r in zip(problems, results):
+        s = score_of.get(id(r))
+        rows.append({
+            "problem": p.id, "question": p.question, "strategy": name, "answer": r.answer,
+            "gold": p.extra_info.get("answer", p.extra_info.get("target")),
+            "correct": bool(s is not None and s.score >= threshold),
+            "score": None if s is None else s.score, "error": r.error,
+            "cost": asdict(r.cost),
+            "candidates": [{"text": c.text, "answer": c.answer, "score": c.score, "finish_reason": c.finish_reason,
+                            "tokens": len(c.token_ids), "meta": c.meta} for c in r.candidates],
+            "tree": r.tree,
+        })
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]], *, engine_calls: int, wall_s: float) -> dict[str, float]:
+    """accuracy (+ 95% Wilson interval) and the mean cost per question."""
+    n = len(rows)
+    k = sum(r["correct"] for r in rows)
+    lo, hi = wilson_interval(k, n)
+
+    def mean(key: str) -> float:
+        return sum(r["cost"][key] for r in rows) / n if n else 0.0
+
+    return {
+        "accuracy": k / n if n else 0.0, "ci_low": lo, "ci_high": hi,
+        "tokens_per_question": mean("generated_tokens"), "prompt_tokens_per_question": mean("prompt_tokens"),
+        "engine_calls": float(engine_calls), "engine_calls_per_question": mean("engine_calls"),
+        "scorer_calls_per_question": mean("scorer_calls"),
+        "answered_frac": sum(r["answer"] is not None for r in rows) / n if n else 0.0,
+        "failed": float(sum(r["error"] is not None for r in rows)), "num_problems": float(n), "wall_s": wall_s,
+    }
+
+
+def sweep_markdown(rows: list[dict[str, Any]]) -> str:
+    """The sweep's one table, as Markdown."""
+    head = "| strategy | budget (tokens) | accuracy [95% CI] | tokens / question | engine calls | wall s | failed |\n"
+    head += "|---|---|---|---|---|---|---|\n"
+    lines = [f"| {r['strategy']} | {r['budget'] if r['budget'] is not None else '-'} | {r['accuracy']:.3f} "
+             f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['tokens_per_question']:.0f} | {r['engine_calls']:.0f} | "
+             f"{r['wall_s']:.1f} | {r['failed']:.0f} |" for r in rows]
+    return head + "\n".join(lines) + "\n"
+
+
 __all__ = [
-    "EvalDuringTrainingConfig", "PeriodicEval", "check_eval_during_training", "evaluate", "format_summary", "is_eval_step",
-    "pass_at_k", "write_samples",
+    "CountingEngine", "PeriodicEval", "evaluate", "format_summary", "pass_at_k", "search_eval", "summarize",
+    "sweep_markdown", "wilson_interval", "write_samples",
 ]

@@ -6,7 +6,9 @@ import math
 
 import torch
 
-SCHEDULES = ("cosine", "constant")
+from . import distributed
+from .config import SCHEDULES
+from .errors import ConfigError
 
 
 def build_optimizer(
@@ -21,8 +23,6 @@ def build_optimizer(
     params = decay + no_decay
     # The fused kernel (one pass over all parameters) is 2-3x faster than the foreach
     # default; sharded DTensor parameters (FSDP) keep the default.
-    from . import distributed
-
     fused = (
         distributed.world_size() == 1
         and bool(params)
@@ -46,8 +46,6 @@ def build_scheduler(
     optimizer: torch.optim.Optimizer, *, total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float = 0.0
 ) -> torch.optim.lr_scheduler.LambdaLR:
     if schedule not in SCHEDULES:
-        from .config import ConfigError
-
         raise ConfigError(f"bad value for 'optim.schedule': {schedule!r}; choose one of {', '.join(SCHEDULES)}")
 
     def f(step: int) -> float:
@@ -84,4 +82,3 @@ def build_training(model, o, total_steps: int):
     scheduler = build_scheduler(optimizer, total_steps=total_steps, warmup_steps=warmup_steps_of(total_steps, o.warmup_steps, o.warmup_ratio),
                                 schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
     return optimizer, scheduler
-

@@ -27,6 +27,7 @@ import dataclasses
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,8 @@ from omegaconf import OmegaConf
 
 from . import distributed
 from .checkpoint import atomic_write_text, remove_stale_temps
-from .config import ConfigError, to_yaml
+from .config import to_yaml
+from .errors import ConfigError
 
 # Keys (and key prefixes) a resumed run may change without becoming another run: where it writes,
 # how long it goes on (extending a finished run is the usual reason to resume), what it logs, how
@@ -44,6 +46,43 @@ RESUMABLE = ("resume", "run_dir", "max_steps", "epochs", "iterations", "max_seco
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 _NO_RESUME = ("", "none", "false", "False")
 _MAX_SHOWN = 8  # differing keys named in the error; the rest are counted
+
+
+# --------------------------------------------------------------------------- process state
+#
+# What this process was asked (``--dry-run``) and how deep in nested recipe runs it is (the demo's
+# stages, ReST-EM's fine-tunes, the verifier's SFT). The console (``relign.banner``) reads it; so
+# does ``open_run``, which remembers only the outermost run's directory.
+
+_state = {"dry_run": False, "depth": 0}
+
+
+class DryRunDone(Exception):
+    """Raised by a recipe after a ``--dry-run`` printed its plan; the CLI exits 0 on it."""
+
+
+def request_dry_run(on: bool = True) -> None:
+    """Make the next recipe print its plan and stop before training (the CLI's ``--dry-run``)."""
+    _state["dry_run"] = on
+
+
+def dry_run_requested() -> bool:
+    return bool(_state["dry_run"])
+
+
+@contextmanager
+def nested():
+    """Recipe runs inside another recipe (the demo's stages, ReST-EM's fine-tunes, the verifier's
+    SFT) print no banner or summary of their own: the outer run's describe the whole."""
+    _state["depth"] += 1
+    try:
+        yield
+    finally:
+        _state["depth"] -= 1
+
+
+def is_nested() -> bool:
+    return _state["depth"] > 0
 
 
 def make_run_dir(run_dir: str, recipe: str) -> Path:
@@ -173,29 +212,7 @@ def open_run(cfg: Any, recipe: str, *, config_name: str = "config.yaml") -> Path
     and write the resolved config there as ``config_name`` with ``run_dir`` set to it.
 
     A collective under torchrun: every rank must call it."""
-    return Path(on_main_for_all(lambda: str(_open_on_main(cfg, recipe, config_name))))
-
-
-def on_main_for_all(fn):
-    """``fn()`` run on rank 0 only, its result (or its error) given to every rank. An error that
-    is not a ConfigError is re-raised as itself on rank 0 and as a RuntimeError elsewhere, so
-    no rank is left waiting in a collective."""
-    answer, failure = None, None
-    if distributed.is_main():
-        try:
-            answer = ("ok", fn())
-        except ConfigError as e:
-            answer = ("config", str(e))
-        except Exception as e:
-            answer, failure = ("other", f"{type(e).__name__}: {e}"), e
-    kind, value = distributed.all_gather_object(answer)[0]
-    if failure is not None:
-        raise failure
-    if kind == "config":
-        raise ConfigError(value)
-    if kind == "other":
-        raise RuntimeError(f"rank 0 failed: {value}")
-    return value
+    return Path(distributed.on_main_for_all(lambda: str(_open_on_main(cfg, recipe, config_name))))
 
 
 def opened(path: Path | str) -> tuple[str, str] | None:
@@ -212,8 +229,6 @@ _last_open: dict[str, str] = {}
 
 
 def _open_on_main(cfg: Any, recipe: str, config_name: str) -> Path:
-    from . import banner
-
     new_config = OmegaConf.to_container(OmegaConf.structured(cfg))
     defaults = OmegaConf.to_container(OmegaConf.structured(type(cfg))) if dataclasses.is_dataclass(cfg) else None
     resume = str(cfg.resume or "") if hasattr(cfg, "resume") else None
@@ -222,7 +237,7 @@ def _open_on_main(cfg: Any, recipe: str, config_name: str) -> Path:
     held = existed and holds_run(Path(given), config_name)
     path, note = choose_run_dir(given, recipe, resume=resume, new_config=new_config,
                                 config_name=config_name, defaults=defaults)
-    if not banner.is_nested():  # a stage's open (the verifier's SFT, the demo's) reuses its parent's directory
+    if not is_nested():  # a stage's open (the verifier's SFT, the demo's) reuses its parent's directory
         how = "created" if not existed or str(path) != str(Path(given)) else "run" if held else "empty"
         _last_open.update(path=str(path), how=how, config_name=config_name)
     if note:

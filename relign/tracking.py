@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import distributed
+from .errors import ConfigError
 
 Listener = Callable[[int, dict[str, Any]], None]
 _listeners: list[Listener] = []
@@ -150,9 +151,7 @@ class Tracker:
             try:
                 import wandb as wb
             except ImportError as e:
-                from .config import ConfigError
-
-                raise ConfigError("logging.wandb=true needs Weights & Biases: pip install 'relign[wandb]'") from e
+                        raise ConfigError("logging.wandb=true needs Weights & Biases: pip install 'relign[wandb]'") from e
             self._wandb = wb.init(
                 project=wandb_project, name=run_name or self.run_dir.name, config=config or {},
                 dir=str(self.run_dir), resume="allow", id=(run_name or self.run_dir.name).replace("/", "-"),

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from relign import banner
+from relign import banner, rundir
+from relign.models import loading
 
 
 @pytest.mark.parametrize("n, text", [
@@ -102,25 +103,25 @@ def test_count_parameters_counts_tied_weights_once_and_frozen_ones_as_such():
     frozen = torch.nn.Linear(4, 4)  # 16 + 4 = 20, not trainable
     frozen.requires_grad_(False)
     model = torch.nn.ModuleList([emb, head, frozen])
-    assert banner.count_parameters(model) == (60, 40)
+    assert loading.count_parameters(model) == (60, 40)
 
 
 def test_model_size_from_the_config_matches_the_loaded_model(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    loaded = banner.count_parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
-    assert banner.model_size(str(tiny_model_dir)) == loaded  # built on the meta device: no weights read
+    loaded = loading.count_parameters(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+    assert loading.model_size(str(tiny_model_dir)) == loaded  # built on the meta device: no weights read
 
 
 def test_model_size_of_a_folder_without_config_names_the_key(tmp_path):
     from relign.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"^ref_model=.*: cannot read the model's config"):
-        banner.model_size(str(tmp_path), key="ref_model")
+        loading.model_size(str(tmp_path), key="ref_model")
 
 
 def test_nested_runs_print_nothing(capsys, tmp_path):
-    with banner.nested():
+    with rundir.nested():
         banner.end("sft", run_dir=tmp_path, seconds=1.0, metrics={"train/loss": 1.0}, keys=("train/loss",))
     assert capsys.readouterr().out == ""
     banner.end("sft", run_dir=tmp_path, seconds=1.0, metrics={"train/loss": 1.0}, keys=("train/loss",))

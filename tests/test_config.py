@@ -93,7 +93,7 @@ def test_unknown_command():
 
 
 def test_resolved_config_round_trips(tmp_path):
-    from relign.config import save_resolved_config
+    from relign.rundir import save_resolved_config
 
     cfg = load_config(Config, None, ["optim.lr=0.125", "data.path=a.jsonl"])
     save_resolved_config(cfg, tmp_path)

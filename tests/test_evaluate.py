@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from relign.config import ConfigError
-from relign.envs.base import get_task
+from relign.envs.tasks import get_task
 from relign.envs.tasks import build_task, render_prompt
-from relign.evaluate import EvalDuringTrainingConfig, check_eval_during_training, evaluate, is_eval_step, pass_at_k
+from relign.evaluate import PeriodicEval, evaluate, pass_at_k
+from relign.recipes.build import engine_for
+from relign.recipes.rl_config import EvalDuringTrainingConfig, check_eval_during_training
 from relign.rollout.engine import Completion
 from relign.strategies.voting import maj_at_k
 
@@ -98,10 +100,17 @@ def test_countdown_votes_on_the_value_of_a_valid_expression():
     assert t.answers_equal("6", "6") and not t.answers_equal("6", "7/2")
 
 
-def test_eval_steps_every_n_and_at_the_last_step():
-    assert [s for s in range(1, 8) if is_eval_step(s, 3, 7)] == [3, 6, 7]
-    assert [s for s in range(1, 4) if is_eval_step(s, 1, 3)] == [1, 2, 3]
-    assert not any(is_eval_step(s, 0, 3) for s in range(1, 4))
+def test_eval_steps_every_n_and_at_the_last_step(tmp_path):
+    def steps(every: int, last: int) -> list[int]:
+        ev = PeriodicEval(get_task("gsm8k"), [], None, tmp_path, every=every)
+        try:
+            return [s for s in range(1, last + 1) if ev.due(s, last)]
+        finally:
+            ev.close()
+
+    assert steps(3, 7) == [3, 6, 7]
+    assert steps(1, 3) == [1, 2, 3]
+    assert steps(0, 3) == []
 
 
 def test_eval_during_training_checks():
@@ -152,7 +161,7 @@ def test_evaluate_metrics_by_hand(tokenizer, tmp_path, batch_prompts):
     task = get_task("gsm8k", chat=False, format_weight=0.1)
     records = task.load(str(write_jsonl(tmp_path / "g.jsonl", GSM8K_ROWS)))
     engine = ScriptedEngine(SCRIPT, finish=[["stop", "length", "stop", "length"], ["stop"] * 4])
-    summary, rows = evaluate(None, tokenizer, task, records, n=4, ks=(1, 2, 4, 8), temperature=1.0, engine=engine,
+    summary, rows = evaluate(engine, tokenizer, task, records, n=4, ks=(1, 2, 4, 8), temperature=1.0,
                              batch_prompts=batch_prompts, seed=7, progress=False)
     # every batch is sampled with its own seed, so the engine's own random stream is not used
     assert [p.seed for _, p in engine.calls] == list(range(7, 7 + len(engine.calls)))
@@ -194,7 +203,7 @@ def test_evaluate_without_extractor_omits_maj(tokenizer, tmp_path):
     reward.write_text("def reward(p, r, e):\n    return float(r == e['answer'])\n")
     task = build_task("custom", path=str(data), reward_fn=str(reward), chat=False)
     engine = ScriptedEngine([["x", "z"], ["z", "z"]])
-    summary, rows = evaluate(None, tokenizer, task, task.load(), n=2, ks=(1, 2), temperature=1.0, engine=engine, progress=False)
+    summary, rows = evaluate(engine, tokenizer, task, task.load(), n=2, ks=(1, 2), temperature=1.0, progress=False)
     assert not any(k.startswith("maj@") for k in summary) and "answered_frac" not in summary
     assert summary["accuracy"] == 0.25 and summary["pass@2"] == 0.5
     assert all(r["extracted"] is None and r["votes"] is None for r in rows)
@@ -204,10 +213,10 @@ def test_evaluate_rejects_greedy_with_many_samples_and_counts_long_prompts(token
     task = get_task("gsm8k", chat=False)
     records = task.load(str(write_jsonl(tmp_path / "g.jsonl", GSM8K_ROWS)))
     with pytest.raises(ValueError, match="greedy"):
-        evaluate(None, tokenizer, task, records, n=2, temperature=0.0, engine=ScriptedEngine([]), progress=False)
+        evaluate(ScriptedEngine([]), tokenizer, task, records, n=2, temperature=0.0, progress=False)
     short = min(len(render_prompt(tokenizer, r)[1]) for r in records)
     with pytest.raises(ValueError, match="nothing to evaluate"):
-        evaluate(None, tokenizer, task, records, engine=ScriptedEngine([]), max_prompt_length=short - 1, progress=False)
+        evaluate(ScriptedEngine([]), tokenizer, task, records, max_prompt_length=short - 1, progress=False)
 
 
 # --------------------------------------------------------------------------- the loop, with a real tiny model
@@ -241,8 +250,8 @@ def test_evaluate_tiny_model_numbers_are_consistent(tiny, tmp_path):
     task = _toy_task(tmp_path)
     records = task.load()
     n = 4
-    summary, rows = evaluate(model, tok, task, records, n=n, ks=(1, 2, 4), temperature=1.0, max_new_tokens=4,
-                             batch_prompts=4, seed=3, progress=False)
+    summary, rows = evaluate(engine_for("hf", model, tok, max_batch_rows=256, seed=3), tok, task, records, n=n, ks=(1, 2, 4),
+                             temperature=1.0, max_new_tokens=4, batch_prompts=4, seed=3, progress=False)
     assert len(rows) == len(records) * n
     scores = [r["score"] for r in rows]
     assert summary["accuracy"] == pytest.approx(sum(scores) / len(scores))
@@ -261,8 +270,8 @@ def test_evaluate_tiny_model_numbers_are_consistent(tiny, tmp_path):
     engine = HFEngine(model, tok, seed=123)
     state = engine.generator.get_state().clone()
     model.train()
-    again, rows2 = evaluate(model, tok, task, records, n=n, ks=(1, 2, 4), temperature=1.0, max_new_tokens=4,
-                            batch_prompts=4, seed=3, progress=False, engine=engine, reward_workers=1)
+    again, rows2 = evaluate(engine, tok, task, records, n=n, ks=(1, 2, 4), temperature=1.0, max_new_tokens=4,
+                            batch_prompts=4, seed=3, progress=False, reward_workers=1)
     assert [r["response"] for r in rows2] == [r["response"] for r in rows] and again == summary
     assert torch.equal(engine.generator.get_state(), state)
     assert model.training  # the engine restores train mode after sampling
@@ -271,8 +280,9 @@ def test_evaluate_tiny_model_numbers_are_consistent(tiny, tmp_path):
 def test_evaluate_greedy_single_sample(tiny, tmp_path):
     model, tok = tiny
     task = _toy_task(tmp_path)
-    summary, rows = evaluate(model, tok, task, task.load(), n=1, ks=(1,), temperature=0.0, max_new_tokens=3, progress=False)
+    summary, rows = evaluate(engine_for("hf", model, tok, max_batch_rows=256, seed=0), tok, task, task.load(), n=1, ks=(1,),
+                             temperature=0.0, max_new_tokens=3, progress=False)
     assert summary["pass@1"] == pytest.approx(summary["accuracy"]) and summary["maj@1"] == pytest.approx(summary["accuracy"])
-    _, rows_again = evaluate(model, tok, task, task.load(), n=1, ks=(1,), temperature=0.0, max_new_tokens=3, seed=99,
-                             progress=False)
+    _, rows_again = evaluate(engine_for("hf", model, tok, max_batch_rows=256, seed=99), tok, task, task.load(), n=1, ks=(1,),
+                             temperature=0.0, max_new_tokens=3, seed=99, progress=False)
     assert [r["response"] for r in rows] == [r["response"] for r in rows_again]  # greedy ignores the seed

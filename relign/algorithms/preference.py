@@ -276,7 +276,7 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
 def orpo_loss(
     chosen_logps: torch.Tensor,
     rejected_logps: torch.Tensor,
-    chosen_nll: torch.Tensor,
+    chosen_nll: torch.Tensor | None = None,
     *,
     lam: float = 0.1,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -288,7 +288,7 @@ def orpo_loss(
     chosen_logps, rejected_logps: length-normalized (average per-token) log-probs [B]; the
     paper's odds are of the length-normalized likelihood. chosen_nll [B]: the SFT loss of
     the chosen response per example (the caller's token-mean NLL over that response, which
-    is -chosen_logps when both use the same tokens). Averaging L over B therefore weighs
+    is -chosen_logps when both use the same tokens: the default when it is None). Averaging L over B therefore weighs
     every pair equally; TRL instead takes the NLL as one token-mean over all chosen tokens of
     the batch, which weighs long responses more.
 
@@ -301,6 +301,8 @@ def orpo_loss(
     Metrics (TRL's convention): rewards/chosen = lam avg_c, rewards/rejected = lam avg_r,
     margins, accuracy, plus "log_odds_ratio" = log odds(y_w) - log odds(y_l).
     """
+    if chosen_nll is None:
+        chosen_nll = -chosen_logps
     dtype = _dtype(chosen_logps, rejected_logps, chosen_nll)
     avg_c = chosen_logps.to(dtype)  # [B]
     avg_r = rejected_logps.to(dtype)  # [B]

@@ -15,7 +15,10 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import TextIO
 
-from ._common import CommandError, Parser, load_for_inference
+from ..rollout.engine import SamplingParams
+from ..rollout.hf_engine import HFEngine
+from ._common import CommandError, Parser
+from .inference import load_for_inference
 
 HELP = "commands: /reset forgets the conversation, /exit quits (so does end of input, Ctrl-D)"
 # The plain-text fallback ends each turn where the next user turn would begin.
@@ -129,9 +132,6 @@ def main(argv: list[str]) -> int:
         raise CommandError(f"--max-new-tokens must be at least 1, got {a.max_new_tokens}")
     if a.temperature < 0 or not 0 < a.top_p <= 1:
         raise CommandError("--temperature must be >= 0 and --top-p in (0, 1]")
-
-    from ..rollout.engine import SamplingParams
-    from ..rollout.hf_engine import HFEngine
 
     model, tok = load_for_inference(a.model, dtype=a.dtype, device=a.device, trust_remote_code=a.trust_remote_code)
     engine = HFEngine(model, tok, max_batch_rows=1, seed=a.seed)

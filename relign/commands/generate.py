@@ -19,8 +19,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..data.readers import DataError
-from ._common import CommandError, Parser, load_for_inference
+from ..data.readers import DataError, read_records
+from ..errors import ConfigError
+from ..models.loading import load_tokenizer, resolve_model_path
+from ..rollout.engine import SamplingParams, derive_seed, eos_token_ids
+from ..rollout.hf_engine import HFEngine
+from ..rollout.vllm_engine import VLLMEngine, import_vllm
+from ._common import CommandError, Parser
+from .chat import encode, render
+from .inference import load_for_inference, resolve_model_arg
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -58,7 +65,6 @@ def parse_row(record: Any, source: str, row: int) -> tuple[str | list[dict[str, 
 
 
 def read_prompts(path: str) -> list[tuple[str | list[dict[str, str]], dict[str, Any]]]:
-    from ..data.readers import read_records
 
     p = Path(path)
     if p.is_dir():
@@ -75,7 +81,6 @@ def read_prompts(path: str) -> list[tuple[str | list[dict[str, str]], dict[str, 
 
 
 def prompt_ids(tokenizer, prompt: str | list[dict[str, str]], *, chat: bool, system: str) -> list[int]:
-    from .chat import encode, render
 
     if isinstance(prompt, str) and not chat:
         return encode(tokenizer, prompt, templated=False)
@@ -89,7 +94,6 @@ def prompt_ids(tokenizer, prompt: str | list[dict[str, str]], *, chat: bool, sys
 def _generate(engine, prompts: list[list[int]], params, *, seed: int, batch_size: int, progress) -> list:
     """Completions for every prompt, ``batch_size`` prompts per engine call. One stream per
     prompt, fixed by (seed, position): batching cannot change a sample, on either engine."""
-    from ..rollout.engine import derive_seed
 
     out = []
     for start in range(0, len(prompts), batch_size):
@@ -106,10 +110,6 @@ def _vllm_engine(path: str, tokenizer, prompts: list[list[int]], params, *, seed
 
     import torch
     from transformers import GenerationConfig
-
-    from ..config import ConfigError
-    from ..rollout.engine import eos_token_ids
-    from ..rollout.vllm_engine import VLLMEngine
 
     try:
         gen_config = GenerationConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -151,8 +151,6 @@ def main(argv: list[str]) -> int:
     if a.temperature < 0 or not 0 < a.top_p <= 1 or a.top_k < 0:
         raise CommandError("--temperature must be >= 0, --top-p in (0, 1] and --top-k >= 0")
     if a.engine == "vllm":
-        from ..config import ConfigError
-        from ..rollout.vllm_engine import import_vllm
 
         try:
             import_vllm("--engine")
@@ -162,13 +160,7 @@ def main(argv: list[str]) -> int:
     rows = read_prompts(a.prompts)  # bad input fails before the model loads
     out_path = a.out or str(Path(a.prompts).with_name(Path(a.prompts).stem + ".generated.jsonl"))
 
-    from ..rollout.engine import SamplingParams
-    from ._common import resolve_model_arg
-
     if a.engine == "vllm":  # vLLM loads the weights itself; only the tokenizer is needed here
-        from ..models.loading import load_tokenizer
-
-        from ..models.loading import resolve_model_path
 
         path = resolve_model_path(resolve_model_arg(a.model))  # tiny:SIZE is built (once) here
         model, tok = None, load_tokenizer(path, trust_remote_code=a.trust_remote_code, key="MODEL")
@@ -181,7 +173,6 @@ def main(argv: list[str]) -> int:
         engine = _vllm_engine(path, tok, prompts, params, seed=a.seed, dtype=a.dtype, trust_remote_code=a.trust_remote_code,
                               batch_size=a.batch_size)
     else:
-        from ..rollout.hf_engine import HFEngine
 
         engine = HFEngine(model, tok, max_batch_rows=a.batch_size * max(1, params.n), seed=a.seed)
     from tqdm import tqdm

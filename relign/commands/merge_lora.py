@@ -16,6 +16,9 @@ import sys
 import warnings
 from pathlib import Path
 
+from ..checkpoint import list_checkpoints
+from ..errors import ConfigError
+from ..models.loading import check_model_source, from_pretrained_checked, hub_offline, resolve_dtype, resolve_model_path
 from ._common import CommandError, Parser
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -25,7 +28,6 @@ TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 def find_adapter(arg: str) -> Path:
     """The adapter folder that ``arg`` names: itself, or a run directory's newest checkpoint."""
-    from ..checkpoint import list_checkpoints
 
     p = Path(arg).expanduser()
     if not p.is_dir():
@@ -61,9 +63,6 @@ def merge_lora(adapter: Path, out: Path, *, base: str = "", dtype: str = "auto",
     """Write the merged model and the tokenizer to ``out`` (written aside, then renamed)."""
     from peft import PeftModel
     from transformers import AutoTokenizer
-
-    from ..config import ConfigError
-    from ..models.loading import check_model_source, from_pretrained_checked, hub_offline, resolve_dtype, resolve_model_path
 
     try:
         cfg = json.loads((adapter / ADAPTER_CONFIG).read_text(encoding="utf-8"))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError
+from ..recipes import RECIPES
 from ._common import fail
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # the installed relign/ folder
@@ -130,7 +131,6 @@ def resolve_config_arg(command: str, argv: list[str]) -> list[str]:
 
 
 def format_table(presets: list[Preset]) -> str:
-    from ..recipes import RECIPES
 
     order = {name: i for i, name in enumerate(RECIPES)}
     rows = sorted(presets, key=lambda p: (order.get(p.recipe, len(order)), p.name))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 from importlib.metadata import PackageNotFoundError, version
 
+from .. import __version__
 from ._common import fail
 
 # Read from package metadata, not by importing: printing a version must not wait for torch.
@@ -12,7 +13,6 @@ LIBRARIES = ("torch", "transformers", "peft", "vllm")
 
 
 def version_line() -> str:
-    from .. import __version__
 
     parts = []
     for name in LIBRARIES:

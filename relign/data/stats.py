@@ -120,7 +120,7 @@ def describe(stats: DataStats, source: str | None = None) -> str:
 def announce(stats: DataStats) -> None:
     """Print ``describe(stats)`` to stderr once (the main rank), at the start of a run: rows that
     were skipped or truncated must not be found only later in metrics.jsonl."""
-    from relign import distributed
+    from relign import distributed  # torch: relign.data stays light for the CLI (DataError)
 
     if distributed.is_main():
         print(describe(stats), file=sys.stderr, flush=True)

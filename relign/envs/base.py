@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from relign.data.readers import DataError, read_records
+from relign.data.records import check_turns
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
@@ -452,8 +453,6 @@ def make_custom_task(
             # checked here, naming the row: unchecked, a list of strings reached the chat
             # template and raised AttributeError there, a traceback naming no file or row.
             # The row's own messages are kept (check_turns' copies hold only role and content).
-            from relign.data.records import check_turns
-
             check_turns(prompt, source, row, prompt_key)
             fields: dict[str, Any] = {"messages": prompt}
         elif isinstance(prompt, str):
@@ -517,64 +516,3 @@ def builtin_task(
         reward_needs_reference=reward_needs_reference,
         step_delimiter=step_delimiter,
     )
-
-
-def _gsm8k(**kwargs: Any) -> Task:
-    from relign.envs.gsm8k import task
-
-    return task(**kwargs)
-
-
-def _math(**kwargs: Any) -> Task:
-    from relign.envs.math import task
-
-    return task(**kwargs)
-
-
-def _countdown(**kwargs: Any) -> Task:
-    from relign.envs.countdown import task
-
-    return task(**kwargs)
-
-
-def _calculator(**kwargs: Any) -> Task:
-    from relign.envs.calculator import task
-
-    return task(**kwargs)
-
-
-# The registry is a plain dict (DESIGN.md, principle 5). Factories import lazily so that
-# importing relign.envs does not import math_verify/sympy.
-TASKS: dict[str, Callable[..., Task]] = {
-    "gsm8k": _gsm8k,
-    "math": _math,
-    "math500": _math,
-    "countdown": _countdown,
-    "calculator": _calculator,
-    "custom": make_custom_task,
-}
-
-
-def get_task(name_or_spec: str, **kwargs: Any) -> Task:
-    """A task by registered name (``"gsm8k"``, ``"math"``, ``"math500"``, ``"countdown"``,
-    ``"custom"``) or by a factory spec (``"my_tasks.py:make_task"``), called with ``kwargs``.
-
-    Built-in factories take ``template``, ``chat``, ``system_prompt``, ``default_path``,
-    ``split`` and reward options such as ``format_weight``; ``"custom"`` takes the arguments
-    of ``make_custom_task``.
-    """
-    if name_or_spec in TASKS:
-        factory = TASKS[name_or_spec]
-    elif ":" in name_or_spec:
-        factory = load_function(name_or_spec)
-    else:
-        raise ValueError(f"unknown task {name_or_spec!r}; known: {', '.join(TASKS)}, or a 'file.py:factory' spec")
-    task = factory(**kwargs)
-    if not isinstance(task, Task):
-        raise TypeError(f"task factory {name_or_spec!r} returned {type(task).__name__}, not a Task")
-    return task
-
-
-def is_multi_turn(name: str) -> bool:
-    """Whether the registered task ``name`` runs its episodes in a multi-turn environment."""
-    return name in TASKS and name != "custom" and TASKS[name]().env is not None

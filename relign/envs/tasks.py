@@ -1,5 +1,6 @@
-"""Tasks as the recipes build them, and the one way a task record becomes a prompt.
+"""The task registry, tasks as the recipes build them, and the one way a task record becomes a prompt.
 
+    TASKS, get_task(name_or_spec, **options)         the built-in tasks by name, or a factory spec
     build_task(name, path=..., reward_fn=..., ...)   config values -> Task   (rl, eval, demo)
     render_prompt(tokenizer, record)                 record -> (prompt text, prompt ids)
     problem_text(record)                             record -> the question, without chat markup
@@ -11,12 +12,68 @@ a model is evaluated on exactly the token ids it was trained on.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from relign.config import ConfigError
-from relign.envs.base import Task, detect_reward_style, get_task, load_function
-from relign.strategies.base import Problem
+from relign.envs import calculator, countdown, gsm8k
+from relign.envs import math as math_task
+from relign.envs.base import Task, detect_reward_style, load_function, make_custom_task
+from relign.errors import ConfigError
+
+
+@dataclass
+class Problem:
+    """One problem as every strategy sees it: rendered and tokenized once (``encode_problems``)."""
+
+    id: int
+    """Stable identity (the record's index in its file): seeds derive from it, never from the
+    problem's position in a batch, so results do not depend on the batch composition."""
+    prompt_ids: list[int]
+    """The rendered prompt (chat template applied) as token ids: what the engine continues."""
+    prompt_text: str
+    """The rendered prompt as text (what a rule reward receives as ``prompt``)."""
+    question: str
+    """The problem as the user wrote it, without chat markup (what a learned scorer reads)."""
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    """The task's ground truth (the gold answer): used to grade, never to search unless allowed."""
+
+
+# The registry is a plain dict (DESIGN.md, principle 5). Importing the task modules is cheap:
+# the math task loads math_verify/sympy only when its reward runs.
+TASKS: dict[str, Callable[..., Task]] = {
+    "gsm8k": gsm8k.task,
+    "math": math_task.task,
+    "math500": math_task.task,
+    "countdown": countdown.task,
+    "calculator": calculator.task,
+    "custom": make_custom_task,
+}
+
+
+def get_task(name_or_spec: str, **kwargs: Any) -> Task:
+    """A task by registered name (``"gsm8k"``, ``"math"``, ``"math500"``, ``"countdown"``,
+    ``"custom"``) or by a factory spec (``"my_tasks.py:make_task"``), called with ``kwargs``.
+
+    Built-in factories take ``template``, ``chat``, ``system_prompt``, ``default_path``,
+    ``split`` and reward options such as ``format_weight``; ``"custom"`` takes the arguments
+    of ``make_custom_task``.
+    """
+    if name_or_spec in TASKS:
+        factory = TASKS[name_or_spec]
+    elif ":" in name_or_spec:
+        factory = load_function(name_or_spec)
+    else:
+        raise ValueError(f"unknown task {name_or_spec!r}; known: {', '.join(TASKS)}, or a 'file.py:factory' spec")
+    task = factory(**kwargs)
+    if not isinstance(task, Task):
+        raise TypeError(f"task factory {name_or_spec!r} returned {type(task).__name__}, not a Task")
+    return task
+
+
+def is_multi_turn(name: str) -> bool:
+    """Whether the registered task ``name`` runs its episodes in a multi-turn environment."""
+    return name in TASKS and name != "custom" and TASKS[name]().env is not None
 
 
 def build_task(name: str, *, path: str = "", reward_fn: str = "", chat: bool = True, system_prompt: str = "",
@@ -92,4 +149,4 @@ def encode_problems(tokenizer, records: list[dict], *, max_prompt_length: int = 
     return problems, skipped_long
 
 
-__all__ = ["build_task", "encode_problems", "problem_text", "render_prompt"]
+__all__ = ["TASKS", "Problem", "build_task", "encode_problems", "get_task", "is_multi_turn", "problem_text", "render_prompt"]

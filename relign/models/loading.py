@@ -15,8 +15,10 @@ from typing import Any
 import torch
 from torch.nn.modules.dropout import _DropoutNd
 
+from ..errors import ConfigError
 from . import lean
 from .precision import autocast_dtype, enable_autocast
+from .tiny import SIZES, build_tiny_model
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +30,6 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 def resolve_dtype(name: str) -> torch.dtype:
     """The parameter dtype of ``model.dtype`` = ``name``."""
     if name not in DTYPES:
-        from ..config import ConfigError
-
         raise ConfigError(f"bad value for 'model.dtype': {name!r}; choose one of fp32, bf16, bf16-mixed")
     return DTYPES[name]
 
@@ -49,14 +49,10 @@ def resolve_model_path(path: str) -> str:
     import os
     import shutil
 
-    from .tiny import SIZES, build_tiny_model
-
     parts = path.split(":")
     size = parts[1] if len(parts) > 1 and parts[1] else "micro"
     arch = parts[2] if len(parts) > 2 else "qwen2"
     if size not in SIZES or arch not in ("qwen2", "llama"):
-        from ..config import ConfigError
-
         raise ConfigError(f"model '{path}': use tiny:SIZE[:ARCH] with SIZE in {', '.join(SIZES)} and ARCH qwen2 or llama")
     cache = Path(os.environ.get("RELIGN_CACHE", Path.home() / ".cache" / "relign")) / "tiny"
     out = cache / f"{arch}-{size}"
@@ -156,8 +152,6 @@ def check_model_source(path: str, key: str = "model.path", *, files: tuple[str, 
     ConfigError for an empty value, a folder without ``files``, a missing local path, or a hub
     id that is neither cached nor reachable (saying why: offline mode or no answer in time).
     """
-    from ..config import ConfigError
-
     if not path:
         raise ConfigError(f"missing value for '{key}': give a local model folder or a hub id")
     p = Path(path).expanduser()
@@ -201,8 +195,6 @@ def hub_offline():
 def from_pretrained_checked(loader, path: str, key: str, *, local_only: bool = False, **kwargs):
     """``loader.from_pretrained`` with a hub or file problem turned into one line naming ``key``;
     ``local_only``: from the local hub cache, with the hub libraries offline."""
-    from ..config import ConfigError
-
     try:
         with hub_offline() if local_only else contextlib.nullcontext():
             return loader.from_pretrained(path, **kwargs, **({"local_files_only": True} if local_only else {}))
@@ -347,3 +339,38 @@ def apply_lora(model, *, r: int, alpha: int, dropout: float, target_modules: lis
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(total, trainable) parameters; shared tensors (tied embeddings) count once."""
+    total = trainable = 0
+    for p in model.parameters():
+        n = p.numel()
+        total += n
+        trainable += n if p.requires_grad else 0
+    return total, trainable
+
+
+def model_size(path: str, *, kind: str = "causal", lora=None, trust_remote_code: bool = False,
+               key: str = "model.path") -> tuple[int, int]:
+    """(total, trainable) parameters of the model at ``path`` without reading its weights: the
+    architecture is built from its config on the meta device (no memory, no time)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    folder = resolve_model_path(path)
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}={path}: cannot read the model's config: {str(e).splitlines()[0]}") from None
+    if kind == "seq_cls":
+        config.num_labels = 1
+    auto = AutoModelForSequenceClassification if kind == "seq_cls" else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(config, trust_remote_code=trust_remote_code)
+    if lora is not None and lora.enabled:
+        model = apply_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules,
+                           **({"task_type": "SEQ_CLS", "modules_to_save": ["score"]} if kind == "seq_cls" else {}))
+    return count_parameters(model)

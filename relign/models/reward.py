@@ -22,7 +22,7 @@ import torch
 
 from ..data.preference import encode_prompt_response
 from . import lean
-from .loading import _check_source, disable_dropout, load_tokenizer, resolve_dtype, resolve_model_path
+from .loading import _check_source, disable_dropout, load_causal_lm, load_tokenizer, resolve_dtype, resolve_model_path
 from .precision import autocast_dtype, enable_autocast
 
 VERIFIER_TEMPLATE = "Problem:\n{problem}\n\nSolution:\n{solution}\n\nIs the answer correct? Answer Yes or No."
@@ -146,8 +146,6 @@ class VerifierScorer:
 
     def __init__(self, path: str, *, device="cpu", batch_size: int = 16, max_length: int = 2048,
                  template: str = VERIFIER_TEMPLATE, dtype: str = "fp32", trust_remote_code: bool = False):
-        from .loading import load_causal_lm
-
         self.tok = load_tokenizer(path, trust_remote_code=trust_remote_code)
         self.model = load_causal_lm(path, dtype=dtype, trust_remote_code=trust_remote_code, device=device).eval().requires_grad_(False)
         self.device, self.batch_size, self.max_length, self.template = device, batch_size, max_length, template

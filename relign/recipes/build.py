@@ -1,31 +1,41 @@
-"""Configs become components here, and only here (torchtune's builder idea).
+"""Configs become components here (torchtune's builder idea).
 
-Recipes call these with their config sections; everything below this module takes flat
-arguments. One function per component, so ``rl.train`` reads as the algorithm and not as
-the unpacking of ``ModelConfig`` field by field.
+Every recipe builds its models, engine, task, tracker and evaluator with these, from its
+config sections; everything below this module takes flat arguments. One function per
+component, so a recipe's ``train`` reads as its algorithm and not as the unpacking of
+``ModelConfig`` field by field. (The recipes' own small pieces, a ``SamplingParams`` or a
+``StepSampler``, are built where they are used.)
 """
 
 from __future__ import annotations
 
 import copy
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from .. import distributed
-from ..config import ConfigError, VllmConfig
+from ..config import ConfigError, TaskConfig, VllmConfig
+from ..envs.base import load_function
+from ..envs.rewards import RewardPool
 from ..envs.tasks import build_task
+from ..evaluate import PeriodicEval
 from ..models.loading import apply_lora, load_causal_lm, resolve_model_path
 from ..models.precision import compute_dtype
+from ..models.reward import load_reward_model, load_scorer
 from ..models.value import ValueModel
+from ..rollout.collect import RolloutCollector
+from ..rollout.engine import ENGINES, SamplingParams, eos_token_ids
+from ..rollout.hf_engine import HFEngine
+from ..rollout.vllm_engine import VLLMEngine
+from ..rollout.weights import checkpoint_weights
 from ..tracking import Tracker
 
 if TYPE_CHECKING:  # the config classes of the recipes that call these
     from ..config import LoggingConfig, ModelConfig
-    from .rl_config import LearnedRewardConfig, RolloutConfig, TaskConfig
-
-ENGINES = ("hf", "vllm")
+    from .rl_config import EvalDuringTrainingConfig, LearnedRewardConfig, RolloutConfig
 
 
 def load_policy(m: ModelConfig, device) -> torch.nn.Module:
@@ -35,6 +45,18 @@ def load_policy(m: ModelConfig, device) -> torch.nn.Module:
                            lean_activations=m.lean_activations, device=device)
     if m.lora.enabled:
         model = apply_lora(model, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout, target_modules=m.lora.target_modules)
+    return model
+
+
+def load_reward(m: ModelConfig, device, pad_token_id: int) -> torch.nn.Module:
+    """A trainable reward model r(x, y): ``model.path`` as ``AutoModelForSequenceClassification``
+    with one output (+ a LoRA adapter, beside which the new score head trains in full)."""
+    model = load_reward_model(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                              trust_remote_code=m.trust_remote_code, gradient_checkpointing=m.gradient_checkpointing,
+                              lean_activations=m.lean_activations, pad_token_id=pad_token_id, device=device)
+    if m.lora.enabled:
+        model = apply_lora(model, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout, target_modules=m.lora.target_modules,
+                           task_type="SEQ_CLS", modules_to_save=["score"])
     return model
 
 
@@ -53,10 +75,12 @@ def load_critic(path: str, m: ModelConfig, device, key: str = "model.path") -> V
                                      lean_activations=m.lean_activations, device=device, key=key))
 
 
-def tracker_for(lg: LoggingConfig, run_dir, *, total_steps: int, start_step: int, desc: str, bar_keys: tuple[str, ...]) -> Tracker:
+def tracker_for(lg: LoggingConfig, run_dir, *, total_steps: int, start_step: int = 0, desc: str,
+                bar_keys: tuple[str, ...] = (), progress: bool | None = None) -> Tracker:
+    """metrics.jsonl, TensorBoard / W&B as ``logging.*`` says, and the progress bar (``progress``: override ``logging.progress``)."""
     return Tracker(run_dir, total_steps=total_steps, start_step=start_step, desc=desc, bar_keys=bar_keys,
-                   progress=lg.progress, tensorboard=lg.tensorboard, wandb=lg.wandb, wandb_project=lg.wandb_project,
-                   run_name=lg.run_name)
+                   progress=lg.progress if progress is None else progress, tensorboard=lg.tensorboard, wandb=lg.wandb,
+                   wandb_project=lg.wandb_project, run_name=lg.run_name)
 
 
 def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows: int, seed: int, prefix_cache_bytes: int = 0,
@@ -84,10 +108,6 @@ def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows:
     if kind not in ENGINES:
         raise ConfigError(f"bad value for '{key}': {kind!r}; choose one of {', '.join(ENGINES)}")
     if kind == "vllm":
-        from ..rollout.engine import eos_token_ids
-        from ..rollout.vllm_engine import VLLMEngine
-        from ..rollout.weights import checkpoint_weights
-
         vllm = vllm or VllmConfig()
         limit = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
         length = vllm.max_model_len or max_model_len or limit
@@ -106,8 +126,6 @@ def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows:
                             trust_remote_code=m.trust_remote_code, key=key)
         engine.load_weights(checkpoint_weights(policy))
         return engine
-    from ..rollout.hf_engine import HFEngine
-
     model = policy
     if distributed.world_size() > 1:
         model = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -124,11 +142,6 @@ def task_for(t: TaskConfig):
 def collector_for(task, t: TaskConfig, ro: RolloutConfig, rw: LearnedRewardConfig, tokenizer, engine, *,
                   m: ModelConfig, device, seed: int):
     """Prompts, reward workers (or the multi-turn environment) and the learned reward of a run."""
-    from ..envs.base import load_function
-    from ..envs.rewards import RewardPool
-    from ..rollout.collect import RolloutCollector
-    from ..rollout.engine import SamplingParams
-
     env_spec = t.env or task.env or ""
     if rw.model and env_spec:
         raise ConfigError("reward.model scores single-turn completions; it cannot be combined with a multi-turn environment "
@@ -140,8 +153,6 @@ def collector_for(task, t: TaskConfig, ro: RolloutConfig, rw: LearnedRewardConfi
         raise ConfigError(f"task: {e}") from None
     scorer = None
     if rw.model:  # a learned reward: a second model, scoring completions in batches
-        from ..models.reward import load_scorer
-
         try:
             scorer = load_scorer(rw.model, rw.kind, device=device, batch_size=rw.batch_size, max_length=rw.max_length,
                                  dtype=m.dtype, trust_remote_code=m.trust_remote_code)
@@ -165,3 +176,18 @@ def collector_for(task, t: TaskConfig, ro: RolloutConfig, rw: LearnedRewardConfi
         why = f" (longer than task.max_prompt_length={t.max_prompt_length})" if skipped else ""
         print(f"data: {source}: {len(records):,} rows read, {skipped:,} skipped{why}", file=sys.stderr, flush=True)
     return collector
+
+
+def evaluator_for(e: EvalDuringTrainingConfig, t: TaskConfig, ro: RolloutConfig, tokenizer, run_dir: Path, *,
+                  seed: int) -> PeriodicEval:
+    """RL's held-out eval (``eval.*``): the task as the run's (its reward, chat template, format
+    weight), on ``eval.path`` (custom tasks) or the task's shipped test set, sampled with the
+    rollouts' stop strings and, by default, their token budget."""
+    task = build_task(t.name, path=e.path, reward_fn=t.reward_fn, chat=t.chat, system_prompt=t.system_prompt,
+                      format_weight=t.format_weight, extract_fn=t.extract_fn, equal_fn=t.equal_fn,
+                      reward_style=t.reward_style)
+    records = task.load(e.path or None, e.split or None, max_rows=e.max_rows)
+    return PeriodicEval(task, records, tokenizer, run_dir, every=e.every, n=e.n, ks=e.ks, temperature=e.temperature,
+                        max_new_tokens=e.max_new_tokens or ro.max_new_tokens, batch_prompts=e.batch_prompts,
+                        samples=e.samples, stop=ro.stop, max_prompt_length=t.max_prompt_length, seed=seed,
+                        reward_workers=t.reward_workers, reward_timeout=t.reward_timeout)

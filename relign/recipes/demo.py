@@ -31,9 +31,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import banner
-from ..config import ConfigError, LoggingConfig, check_choice, check_model_path, check_non_negative, check_wandb, load_config
-from . import RunResult
+import torch
+
+from .. import banner, distributed, rundir
+from ..checkpoint import atomic_write_text, list_checkpoints
+from ..config import (
+    ConfigError,
+    LoggingConfig,
+    ModelConfig,
+    check_choice,
+    check_model_path,
+    check_non_negative,
+    check_wandb,
+    load_config,
+)
+from ..envs import arith
+from ..envs.tasks import get_task, is_multi_turn
+from ..evaluate import evaluate, write_samples
+from ..models.loading import load_causal_lm, load_tokenizer, resolve_device, resolve_model_path
+from ..models.tiny import SIZES
+from ..report import refresh_report
+from ..rollout.engine import ENGINES
+from ..rollout.vllm_engine import import_vllm
+from . import RunResult, build, frame, rl, sft
 
 ARITH = "arith"
 ARITH_SPEC = "relign.envs.arith:task"
@@ -120,8 +140,6 @@ class Config:
 
 
 def _check(cfg: Config) -> None:
-    from ..models.tiny import SIZES
-
     d = cfg.demo
     if not d.model and d.model_size not in SIZES:
         raise ConfigError(f"bad value for 'demo.model_size': {d.model_size!r}; choose one of {', '.join(SIZES)}")
@@ -131,12 +149,8 @@ def _check(cfg: Config) -> None:
         raise ConfigError("demo.group_size must be >= 2 (GRPO compares samples of a problem); prompts_per_step, sft_batch_size >= 1")
     if d.dtype not in ("fp32", "bf16", "bf16-mixed"):
         raise ConfigError(f"bad value for 'demo.dtype': {d.dtype!r}; choose one of fp32, bf16, bf16-mixed")
-    from .build import ENGINES
-
     check_choice("demo.engine", d.engine, ENGINES)
     if d.engine == "vllm":  # before the run directory exists
-        from ..rollout.vllm_engine import import_vllm
-
         import_vllm("demo.engine")
     check_non_negative(cfg, "demo.test_problems", "demo.max_new_tokens", "demo.sft_lr", "demo.lr")
     check_model_path("demo.model", d.model, required=False)
@@ -147,8 +161,6 @@ def _check(cfg: Config) -> None:
         if d.train_problems < d.prompts_per_step or d.test_problems < 1:
             raise ConfigError("demo.train_problems must be >= demo.prompts_per_step and demo.test_problems >= 1")
         return
-    from ..envs.base import is_multi_turn
-
     if d.task == "custom" or is_multi_turn(d.task):
         raise ConfigError(f"demo.task={d.task} is not supported: give a single-turn task name or a 'module:factory' spec")
     if not d.train_path and d.task not in KNOWN_TRAIN:
@@ -193,8 +205,6 @@ def _chat(d: DemoConfig) -> bool:
 def _sources(cfg: Config, run_dir: Path) -> dict[str, Any]:
     """The task and where its prompts come from; nothing is written or downloaded yet.
     arith: files RUN/data/{train,test,sft}.jsonl, written by ``_write_problems``."""
-    from ..envs.base import get_task
-
     d = cfg.demo
     if d.task == ARITH:
         data = run_dir / "data"
@@ -214,8 +224,6 @@ def _write_problems(cfg: Config, data: dict[str, Any]) -> None:
     """arith: generate the problems and demonstrations; then read the held-out records."""
     d = cfg.demo
     if d.task == ARITH:
-        from ..envs import arith
-
         arith.write_splits(Path(data["test"]).parent, d.train_problems, d.test_problems, seed=d.seed, direct_frac=d.direct_frac,
                            min_ops=d.min_ops, max_ops=d.max_ops, max_operand=d.max_operand)
     data["records"] = data["task"].load(data["test"], max_rows=0 if d.task == ARITH else d.test_problems)
@@ -225,26 +233,17 @@ def _evaluate(name: str, model_path: str, data: dict[str, Any], cfg: Config, dev
     """Held-out eval of one checkpoint: ``eval_samples`` samples at temperature 1 and one greedy
     sample per problem, with fixed seeds (the same prompts and random streams before and after).
     Writes RUN/<name>/eval.json, samples.jsonl (temperature 1) and greedy_samples.jsonl."""
-    import torch
-
-    from ..checkpoint import atomic_write_text
-    from ..evaluate import evaluate, write_samples
-    from ..config import ModelConfig
-    from ..models.loading import load_causal_lm, load_tokenizer
-    from .build import engine_for
-
     d, out = cfg.demo, Path(cfg.run_dir) / name
     tok = load_tokenizer(model_path)
     model = load_causal_lm(model_path, dtype=d.dtype, device=device).eval().requires_grad_(False)
-    engine = engine_for(d.engine, model, tok, max_batch_rows=256, seed=d.seed, m=ModelConfig(path=model_path, dtype=d.dtype),
+    engine = build.engine_for(d.engine, model, tok, max_batch_rows=256, seed=d.seed, m=ModelConfig(path=model_path, dtype=d.dtype),
                         max_model_len=1024 + max_new_tokens, key="demo.engine")
-    common = dict(max_new_tokens=max_new_tokens, seed=d.seed, reward_workers=data["reward_workers"], progress=cfg.logging.progress,
-                  engine=engine)
+    common = dict(max_new_tokens=max_new_tokens, seed=d.seed, reward_workers=data["reward_workers"], progress=cfg.logging.progress)
     n = d.eval_samples
     try:
-        summary, rows = evaluate(model, tok, data["task"], data["records"], n=n, ks=sorted({1, n}), temperature=1.0,
+        summary, rows = evaluate(engine, tok, data["task"], data["records"], n=n, ks=sorted({1, n}), temperature=1.0,
                                  desc=f"{name} T=1", **common)
-        greedy, greedy_rows = evaluate(model, tok, data["task"], data["records"], n=1, temperature=0.0, desc=f"{name} greedy",
+        greedy, greedy_rows = evaluate(engine, tok, data["task"], data["records"], n=1, temperature=0.0, desc=f"{name} greedy",
                                        **common)
     finally:
         engine.close()  # one vLLM engine per process: the next stage builds its own
@@ -280,8 +279,6 @@ def _stage_configs(cfg: Config, data: dict[str, Any], run_dir: Path, model_spec:
                    logging: dict[str, Any]):
     """(sft.Config, rl.Config) of the two training stages, with the user's demo.*_overrides,
     each checked now: a bad setting of a stage stops the demo before the stages before it ran."""
-    from . import rl, sft
-
     d = cfg.demo
     tiny = not d.model
     sft_lr = d.sft_lr or (2e-3 if tiny else 1e-5)
@@ -322,10 +319,6 @@ def _write_summary(cfg: Config, run_dir: Path, data: dict[str, Any], device, *, 
                    after: dict[str, float], seconds: dict[str, float], total: float, start_model: str, final_model: str,
                    sft_ran: bool) -> None:
     """demo.json, the before/after table on stdout, and report.html."""
-    import torch
-
-    from ..checkpoint import atomic_write_text
-
     d = cfg.demo
     summary = {
         "before": before, "after": after, "seconds": round(total, 1),
@@ -338,23 +331,11 @@ def _write_summary(cfg: Config, run_dir: Path, data: dict[str, Any], device, *, 
     }
     atomic_write_text(run_dir / "demo.json", json.dumps(summary, indent=2) + "\n")
     print(format_table(summary, sft_ran=sft_ran))
-    try:
-        from ..report import refresh_report
-    except ImportError:  # the report module is optional here
-        refresh_report = None
-    if refresh_report is not None and (path := refresh_report(run_dir)) is not None:
+    if (path := refresh_report(run_dir)) is not None:
         print(f"report: {path}")
 
 
 def train(cfg: Config) -> RunResult:
-    import torch
-
-    from .. import distributed
-    from ..checkpoint import list_checkpoints
-    from ..models.loading import resolve_device, resolve_model_path
-    from ..rundir import open_run
-    from . import rl, sft
-
     _check(cfg)
     distributed.init()
     if distributed.world_size() > 1:
@@ -365,60 +346,43 @@ def train(cfg: Config) -> RunResult:
         # sibling on a busy core stalls every op (4x slower sampling measured on a loaded 2-core
         # machine); a fixed count also keeps results reproducible across machines.
         torch.set_num_threads(d.threads)
-    device = resolve_device(cfg.device)
+    device, t_start = resolve_device(cfg.device), time.perf_counter()
     # a run_dir that holds an earlier demo gives a fresh one beside it (relign.rundir), so the
     # stages (sft/, rl/) always start in empty directories and never pick up old checkpoints
-    run_dir = open_run(cfg, "demo")
+    run = frame.Run(cfg, "demo", rundir.open_run(cfg, "demo"), device, t_start)
+    run_dir = run.run_dir
     cfg.run_dir = str(run_dir)
-    tiny = not d.model
     max_new = d.max_new_tokens or (64 if d.task == ARITH else 512)
-    lg = cfg.logging
-    logging = {"logging.progress": lg.progress, "logging.tensorboard": lg.tensorboard, "logging.wandb": lg.wandb,
-               "logging.wandb_project": lg.wandb_project}
     seconds: dict[str, float] = {}
-    t_start = time.perf_counter()
-
     # tiny:SIZE is resolved by the recipes themselves (and written as such in their configs)
-    model_spec = f"tiny:{d.model_size}" if tiny else d.model
+    model_spec = d.model or f"tiny:{d.model_size}"
     data = _sources(cfg, run_dir)
     # The two training stages' configs, built (and the user's overrides checked) before any training.
     run_sft = bool(d.sft_steps and data["sft"])
     sft_cfg, rl_cfg = _stage_configs(cfg, data, run_dir, model_spec, run_sft=run_sft, max_new=max_new,
-                                    logging=logging)
+                                    logging=_stage_logging(cfg.logging))
     banner.start("demo", cfg, run_dir=run_dir, device=device, model_path=model_spec, dtype=d.dtype,
-                 data=(f"arith: {d.train_problems:,} training problems, {d.test_problems:,} held-out" if d.task == ARITH
-                       else f"{d.task}: training prompts from {data['train']}, held-out problems from {data['test']}"),
-                 steps=(f"SFT {sft_cfg.max_steps:,} x {sft_cfg.batch_size} demonstrations, " if run_sft else "")
+                 data=_data_line(d, data), steps=(f"SFT {sft_cfg.max_steps:,} x {sft_cfg.batch_size} demonstrations, "
+                                                 if run_sft else "")
                  + f"GRPO {rl_cfg.max_steps:,} x {rl_cfg.prompts_per_step} problems x {rl_cfg.rollout.n} samples")
 
     # ---- 1. model: a tiny one is built once into $RELIGN_CACHE, offline (relign.models.tiny)
     t0 = time.perf_counter()
     model_path = resolve_model_path(model_spec)
     seconds["model"] = time.perf_counter() - t0
-    _say(f"[1/6] model: {model_spec + ' (random init) at ' if tiny else ''}{model_path}")
+    _say(f"[1/6] model: {'' if d.model else model_spec + ' (random init) at '}{model_path}")
 
     # ---- 2. task: problems and demonstrations, deterministic from the seed
     t0 = time.perf_counter()
     _write_problems(cfg, data)
     seconds["data"] = time.perf_counter() - t0
-    if d.task == ARITH:
-        _say(f"[2/6] task: multi-step arithmetic, {d.train_problems} training problems, {d.test_problems} held-out "
-             f"(written to {run_dir / 'data'})")
-    else:
-        _say(f"[2/6] task: {d.task}, training prompts {data['train']}, {len(data['records'])} held-out problems from {data['test']}")
+    _say(f"[2/6] task: multi-step arithmetic, {d.train_problems} training problems, {d.test_problems} held-out (written to "
+         f"{run_dir / 'data'})" if d.task == ARITH else f"[2/6] task: {d.task}, training prompts {data['train']}, "
+         f"{len(data['records'])} held-out problems from {data['test']}")
 
     # ---- 3. SFT warm start
-    start_model = model_spec
-    if run_sft:
-        _say(f"[3/6] SFT warm start: {sft_cfg.max_steps} steps of {sft_cfg.batch_size} demonstrations, lr {sft_cfg.optim.lr:g}")
-        t0 = time.perf_counter()
-        with banner.nested():  # the demo's banner and summary describe the whole pipeline
-            result = sft.train(sft_cfg)
-        seconds["sft"] = time.perf_counter() - t0
-        if result.checkpoint is None:
-            raise ConfigError("the SFT stage saved no checkpoint (checkpoint.save_final=false in demo.sft_overrides?)")
-        start_model = str(result.checkpoint)
-    else:
+    start_model = _sft_stage(sft_cfg, d, data, seconds) if run_sft else model_spec
+    if not run_sft:
         _say("[3/6] SFT warm start: skipped" + ("" if d.sft_steps else " (demo.sft_steps=0)") +
              ("" if data["sft"] else f" (no demonstrations for {d.task}: set demo.sft_data)"))
 
@@ -429,35 +393,62 @@ def train(cfg: Config) -> RunResult:
     seconds["eval_before"] = time.perf_counter() - t0
 
     # ---- 5. GRPO from the warm start: relign rl's default algorithm (Dr. GRPO)
-    if not any(o.partition("=")[0].strip() == "model.path" for o in d.rl_overrides):
-        rl_cfg.model.path = start_model
-    a = rl_cfg.algorithm
-    _say(f"[5/6] GRPO ({a.advantage} advantages, scale_rewards={a.scale_rewards}, {a.loss_agg}): {rl_cfg.max_steps} steps "
-         f"x {rl_cfg.prompts_per_step} problems x {rl_cfg.rollout.n} samples, lr {rl_cfg.optim.lr:g}")
-    t0 = time.perf_counter()
-    with banner.nested():
-        rl.train(rl_cfg)
-    seconds["rl"] = time.perf_counter() - t0
-    ckpts = list_checkpoints(run_dir / "rl")
-    if not ckpts:
-        raise ConfigError("the GRPO stage saved no checkpoint (checkpoint.save_final=false in demo.rl_overrides?)")
-    final_model = str(ckpts[-1][1])
+    final_model = _rl_stage(rl_cfg, d, start_model, run_dir, seconds)
 
     # ---- 6. held-out eval after RL: same problems, same seeds
     _say("[6/6] eval after GRPO")
     t0 = time.perf_counter()
     after = _evaluate("eval_after", final_model, data, cfg, device, max_new)
     seconds["eval_after"] = time.perf_counter() - t0
-    total = time.perf_counter() - t_start
 
     # ---- 7. table, demo.json, report.html
-    _write_summary(cfg, run_dir, data, device, before=before, after=after, seconds=seconds, total=total,
-                   start_model=start_model, final_model=final_model, sft_ran=start_model != model_spec)
+    _write_summary(cfg, run_dir, data, device, before=before, after=after, seconds=seconds,
+                   total=time.perf_counter() - t_start, start_model=start_model, final_model=final_model,
+                   sft_ran=start_model != model_spec)
     metrics = {f"before/{k}": v for k, v in before.items()} | {f"after/{k}": v for k, v in after.items()}
-    banner.end("demo", run_dir=run_dir, seconds=time.perf_counter() - t_start, metrics=metrics, resumable=False,
-               checkpoint=final_model, keys=("before/accuracy", "after/accuracy", "before/greedy_accuracy",
-                                             "after/greedy_accuracy"))
-    return RunResult(run_dir=run_dir, steps=rl_cfg.max_steps, metrics=metrics, checkpoint=Path(final_model))
+    return frame.close(run, metrics=metrics, steps=rl_cfg.max_steps, checkpoint=Path(final_model), resumable=False,
+                       keys=("before/accuracy", "after/accuracy", "before/greedy_accuracy", "after/greedy_accuracy"))
+
+
+def _stage_logging(lg: LoggingConfig) -> dict[str, Any]:
+    """The stages log as the demo does (W&B's run name is each stage's own)."""
+    return {"logging.progress": lg.progress, "logging.tensorboard": lg.tensorboard, "logging.wandb": lg.wandb,
+            "logging.wandb_project": lg.wandb_project}
+
+
+def _data_line(d: DemoConfig, data: dict[str, Any]) -> str:
+    if d.task == ARITH:
+        return f"arith: {d.train_problems:,} training problems, {d.test_problems:,} held-out"
+    return f"{d.task}: training prompts from {data['train']}, held-out problems from {data['test']}"
+
+
+def _sft_stage(sft_cfg, d: DemoConfig, data: dict[str, Any], seconds: dict[str, float]) -> str:
+    """The SFT warm start; its last checkpoint, where GRPO starts."""
+    _say(f"[3/6] SFT warm start: {sft_cfg.max_steps} steps of {sft_cfg.batch_size} demonstrations, lr {sft_cfg.optim.lr:g}")
+    t0 = time.perf_counter()
+    with rundir.nested():  # the demo's banner and summary describe the whole pipeline
+        result = sft.train(sft_cfg)
+    seconds["sft"] = time.perf_counter() - t0
+    if result.checkpoint is None:
+        raise ConfigError("the SFT stage saved no checkpoint (checkpoint.save_final=false in demo.sft_overrides?)")
+    return str(result.checkpoint)
+
+
+def _rl_stage(rl_cfg, d: DemoConfig, start_model: str, run_dir: Path, seconds: dict[str, float]) -> str:
+    """GRPO from ``start_model``; its last checkpoint."""
+    if not any(o.partition("=")[0].strip() == "model.path" for o in d.rl_overrides):
+        rl_cfg.model.path = start_model
+    a = rl_cfg.algorithm
+    _say(f"[5/6] GRPO ({a.advantage} advantages, scale_rewards={a.scale_rewards}, {a.loss_agg}): {rl_cfg.max_steps} steps "
+         f"x {rl_cfg.prompts_per_step} problems x {rl_cfg.rollout.n} samples, lr {rl_cfg.optim.lr:g}")
+    t0 = time.perf_counter()
+    with rundir.nested():
+        rl.train(rl_cfg)
+    seconds["rl"] = time.perf_counter() - t0
+    ckpts = list_checkpoints(run_dir / "rl")
+    if not ckpts:
+        raise ConfigError("the GRPO stage saved no checkpoint (checkpoint.save_final=false in demo.rl_overrides?)")
+    return str(ckpts[-1][1])
 
 
 ROWS = [  # (key, label, is a fraction)

@@ -5,18 +5,21 @@ step_beam, mcts) under a budget of generated tokens.
     load the task's problems and the model
     strategy=sample: n samples per problem, scored and voted (``relign.evaluate.evaluate``)
           write RUN/eval.json (settings + metrics + notes), RUN/samples.jsonl (one row per sample)
-    strategy=<search>: every problem searched in lockstep batches (``strategies.evaluation``)
+    strategy=<search>: every problem searched in lockstep batches (``relign.evaluate.search_eval``)
           write RUN/eval.json, RUN/search.jsonl (answer, candidates, cost, tree per problem)
     sweep.strategies x sweep.budgets: one search per cell, RUN/search/<strategy>_<budget>.jsonl,
           RUN/sweep.json + sweep.md (the table) + accuracy_vs_tokens.svg (the chart)
     RUN/metrics.jsonl (eval/<metric> at step 0, for the report), and print the summary
 
-The loop itself (``evaluate``) lives in ``relign.evaluate``, shared with RL's ``eval.every``
-and the demo; metrics and the samples' schema are in docs/eval.md.
+The loops themselves (``evaluate``, ``search_eval``) live in ``relign.evaluate``, shared with
+RL's ``eval.every``, ReST-EM and the demo; metrics and the samples' schema are in docs/eval.md.
+A strategy's own knobs are the section ``search.<section>.*`` its table row names
+(``relign.strategies.registry``): ``search.mcts.*``, ``search.beam.*``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,11 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from .. import banner
-from ..checkpoint import atomic_write_text, seed_everything
+from ..checkpoint import atomic_write_text
 from ..config import (
     ConfigError,
     LoggingConfig,
-    ModelConfig,
+    RunFields,
+    TaskConfig,
     VllmConfig,
     check_choice,
     check_fraction,
@@ -40,49 +44,15 @@ from ..config import (
 from ..envs.base import Task
 from ..envs.rewards import RewardPool
 from ..envs.tasks import build_task, encode_problems
-from ..report.sweep import sweep_chart_svg, sweep_series
+from ..evaluate import evaluate, format_summary, search_eval, sweep_markdown, write_samples
+from ..models.loading import load_model_tokenizer
+from ..report.sweep import write_sweep_svg
+from ..rollout.engine import ENGINES
+from ..rollout.vllm_engine import check_vllm
 from ..strategies.base import Budget
-from ..strategies.evaluation import search_eval, sweep_markdown
-from ..strategies.registry import NEEDS_SCORER, STRATEGIES, TREE, make_strategy
+from ..strategies.registry import STRATEGIES, make_strategy, options_for
 from ..strategies.scorers import SCORERS, TaskRuleScorer, check_reference, load_scorer, looks_like_hub_id
-from ..evaluate import evaluate, format_summary, write_samples
-from ..models.loading import load_model_tokenizer, resolve_device
-from ..rundir import open_run
-from ..tracking import Tracker
-from . import RunResult, build
-
-
-@dataclass
-class TaskConfig:
-    name: str = "gsm8k"
-    """Built-in task (gsm8k, math, math500, countdown) or 'custom' with path + reward_fn."""
-    path: str = ""
-    """Problems: a file, dataset folder or hub id (empty: the task's shipped test set)."""
-    split: str = ""
-    """Split to read (empty: the task's default)."""
-    max_rows: int = 0
-    """Evaluate on the first N problems (0 = all)."""
-    chat: bool = True
-    """Wrap prompts in the tokenizer's chat template (as relign rl does by default)."""
-    system_prompt: str = ""
-    """System message for chat prompts."""
-    max_prompt_length: int = 0
-    """Skip (and count) prompts longer than this many tokens (0 = no limit)."""
-    format_weight: float = 0.0
-    """Weight of the task's format reward in reward_mean (accuracy counts correctness only)."""
-    reward_fn: str = ""
-    """Custom reward function 'path/to/file.py:function' (replaces the task's own)."""
-    reward_style: str = "auto"
-    """How reward_fn is called: auto (from its signature), sample (fn(prompt, response, extra_info))
-    or batch (TRL's fn(prompts, completions, **columns) -> list of floats)."""
-    reward_timeout: float = 10.0
-    """Seconds per reward call; a call that raises or runs longer scores 0 and is counted."""
-    reward_workers: int = 2
-    """Reward worker processes (0 = in-process, no timeout enforcement)."""
-    extract_fn: str = ""
-    """Final-answer extractor 'file.py:function' (response, extra_info) -> str | None for maj@k (built-in tasks have one)."""
-    equal_fn: str = ""
-    """Answer equivalence 'file.py:function' (a, b) -> bool for maj@k (empty: the task's own, else string equality)."""
+from . import RunResult, build, frame
 
 
 @dataclass
@@ -96,7 +66,9 @@ class BudgetConfig:
 
 
 @dataclass
-class SearchConfig:
+class SearchKnobs:
+    """The knobs every search strategy may read (each takes those its class has a field for)."""
+
     temperature: float = 0.7
     """Sampling temperature of every search strategy (the top-level temperature is the sample eval's)."""
     top_p: float = 1.0
@@ -115,34 +87,20 @@ class SearchConfig:
     """Samples per question per engine call (cot, majority, best_of_n, weighted_majority)."""
     width: int = 4
     """Children per MCTS expansion; next steps per kept beam in step_beam."""
-    beams: int = 4
-    """Beams kept after each step_beam round."""
-    beam_select: str = "argmax"
-    """step_beam's answer among complete beams: argmax or weighted_vote."""
-    rule: str = "puct"
-    """MCTS selection: puct (AlphaMath) or uct (rStar)."""
-    c_puct: float = 1.25
-    """PUCT exploration weight."""
-    c_uct: float = 2.0
-    """UCT exploration weight."""
-    prior: str = "normalized"
-    """MCTS prior: exp(mean step log-prob), normalized over siblings or raw."""
-    distinct: bool = True
-    """MCTS re-draws duplicate steps (up to 3 x width); false merges them."""
-    leaf_eval: str = "scorer"
-    """MCTS leaf value: scorer, or rollout (K continuations to the end, scored)."""
-    rollouts: int = 4
-    """K of leaf_eval=rollout."""
-    answer: str = "best_terminal"
-    """MCTS answer: best_terminal, visits, weighted_vote or top_k_vote."""
-    top_k: int = 4
-    """Candidates that vote with answer=top_k_vote."""
     batch_problems: int = 64
     """Questions searched together (lockstep: one engine call per round for all of them)."""
     scorer_batch_size: int = 16
     """Solutions per forward pass of a learned scorer."""
     prefix_cache_mb: int = 512
     """Keys/values of earlier prefixes the engine keeps for the prefixes that extend them (0 = off)."""
+
+
+# ``search:`` = the shared knobs + one section per strategy with knobs of its own (search.mcts.*,
+# search.beam.*), made from the strategies' table: a new strategy adds its section by its row.
+SearchConfig = dataclasses.make_dataclass(
+    "SearchConfig", [(spec.section, spec.options, field(default_factory=spec.options))
+                     for spec in STRATEGIES.values() if spec.section],
+    bases=(SearchKnobs,), namespace={"__module__": __name__, "__doc__": "relign eval's search: section."})
 
 
 @dataclass
@@ -154,9 +112,8 @@ class SweepConfig:
 
 
 @dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
+class Config(RunFields):
+    task: TaskConfig = field(default_factory=lambda: TaskConfig(max_prompt_length=0))
     strategy: str = "sample"
     """sample (n samples per problem: pass@k, maj@k), or a search: cot, majority, best_of_n, weighted_majority, step_beam, mcts."""
     scorer: str = ""
@@ -194,33 +151,27 @@ class Config:
     """Inference engine: hf (built in) or vllm (colocated vLLM; pip install "relign[vllm]")."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """Settings of the vLLM engine (engine=vllm)."""
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    run_dir: str = ""
-    """Where config.yaml, eval.json, samples.jsonl and metrics.jsonl go (empty: runs/eval-<time>)."""
-    seed: int = 0
-    """Seed for sampling."""
-    device: str = "auto"
-    """cpu, cuda, cuda:N or auto."""
 
 
 def _check(cfg: Config) -> list[int]:
     """Validate the settings before anything is loaded; returns the ks to report."""
     check_positive(cfg, "n", "batch_prompts", "max_batch_rows", "max_new_tokens", "top_p", "search.top_p",
-                   "task.reward_timeout", "search.step_max_tokens", "search.max_depth", "search.round_size", "search.width", "search.beams",
-                   "search.rollouts", "search.top_k", "search.batch_problems", "search.scorer_batch_size")
+                   "task.reward_timeout", "search.step_max_tokens", "search.max_depth", "search.round_size", "search.width",
+                   "search.beam.beams", "search.mcts.rollouts", "search.mcts.top_k", "search.batch_problems",
+                   "search.scorer_batch_size")
     check_non_negative(cfg, "k", "top_k", "task.max_rows", "task.max_prompt_length", "task.reward_workers",
-                       "search.prefix_cache_mb", "search.c_puct", "search.c_uct")
+                       "search.prefix_cache_mb", "search.mcts.c_puct", "search.mcts.c_uct")
     check_fraction(cfg, "top_p", "search.top_p", closed=True)
     bad_budgets = [b for b in cfg.sweep.budgets if b < 1]
     if bad_budgets:
         raise ConfigError(f"bad value for 'sweep.budgets': {list(cfg.sweep.budgets)}; every budget must be >= 1 token")
     check_wandb(cfg.logging)
     check_model_path("model.path", cfg.model.path)
-    check_choice("engine", cfg.engine, build.ENGINES)
+    check_choice("engine", cfg.engine, ENGINES)
     if cfg.engine == "vllm":
-        from .rl_config import check_vllm
-
         check_vllm(cfg, "", top_p=cfg.top_p, top_k=cfg.top_k)
+    if cfg.task.env:
+        raise ConfigError(f"task.env={cfg.task.env}: relign eval covers single-turn tasks (a multi-turn environment runs in relign rl)")
     if cfg.temperature < 0:
         raise ConfigError(f"temperature must be >= 0, got {cfg.temperature}")
     if cfg.temperature == 0 and cfg.n > 1:
@@ -238,7 +189,6 @@ def _check(cfg: Config) -> list[int]:
 
 def train(cfg: Config) -> RunResult:
     """``relign eval``: evaluate ``model.path`` on ``task``; writes eval.json, samples.jsonl and metrics.jsonl."""
-    t_start = time.perf_counter()
     ks = _check(cfg)
     t, m = cfg.task, cfg.model
     task = build_task(t.name, path=t.path, reward_fn=t.reward_fn, chat=t.chat, system_prompt=t.system_prompt,
@@ -248,17 +198,15 @@ def train(cfg: Config) -> RunResult:
         raise ConfigError("sweep.budgets are token budgets of a search: set strategy= (or sweep.strategies) to a search "
                           "strategy; strategy=sample is the plain n-sample eval")
     cells = _check_search(cfg, task) if cfg.strategy != "sample" or cfg.sweep.strategies else []
-    device = resolve_device(cfg.device)
-    seed_everything(cfg.seed)
-    run_dir = open_run(cfg, "eval")  # a fresh directory, never an earlier eval's (relign.rundir)
+    run = frame.open(cfg, "eval")  # a fresh directory, never an earlier eval's (relign.rundir)
     records = task.load(t.path or None, t.split or None, max_rows=t.max_rows)
     tok = load_model_tokenizer(m)
     what = (f"{len(cells)} search(es): " + ", ".join(f"{n} (budget {b.max_generated_tokens or '-'})" for n, b in cells)
             if cells else f"{cfg.n} sample(s) per problem at temperature {cfg.temperature:g}")
-    run_facts = dict(run_dir=run_dir, device=device, steps=what, kind="frozen",
+    run_facts = dict(run_dir=run.run_dir, device=run.device, steps=what, kind="frozen",
                      data=f"{len(records):,} problems ({task.name}: {t.path or task.default_path})")
     banner.dry_run("eval", cfg, **run_facts)  # --dry-run stops here, before any weights are read
-    model = build.load_frozen(m.path, m, device)
+    model = build.load_frozen(m.path, m, run.device)
     banner.start("eval", cfg, model=model, **run_facts)
     # a search extends prompts step by step, up to max_new_tokens in all (+ one step past a cut);
     # no prompt limit: as long as the model takes (0)
@@ -267,55 +215,33 @@ def train(cfg: Config) -> RunResult:
                               prefix_cache_bytes=cfg.search.prefix_cache_mb << 20 if cells else 0, m=m, vllm=cfg.vllm,
                               max_model_len=longest, key="engine")
     try:
-        return _run(cfg, ks, cells, task, model, tok, engine, records, run_dir, device, t_start)
+        if cells:
+            metrics = _search(cfg, cells, task, tok, engine, records, run.run_dir, run.device)
+            keys = ("accuracy", "ci_low", "ci_high", "tokens_per_question")
+        else:
+            metrics = _sample_eval(cfg, ks, task, tok, engine, records, run.run_dir)
+            k = cfg.k or cfg.n
+            keys = ("accuracy", f"pass@{k}", f"maj@{k}", "length_mean", "truncated_frac")
     finally:
         engine.close()
+    return frame.close(run, metrics=metrics, keys=keys, steps=0, resumable=False)
 
 
-def _run(cfg: Config, ks: list[int], cells, task: Task, model, tok, engine, records: list[dict], run_dir: Path, device,
-         t_start: float) -> RunResult:
-    t, m = cfg.task, cfg.model
-    if cells:
-        result = _search(cfg, cells, task, model, tok, engine, records, run_dir, device)
-        banner.end("eval", run_dir=run_dir, seconds=time.perf_counter() - t_start, metrics=result.metrics,
-                   keys=("accuracy", "ci_low", "ci_high", "tokens_per_question"), resumable=False)
-        return result
-
-    t0 = time.perf_counter()
-    summary, rows, notes = _sample_eval(cfg, ks, task, model, tok, engine, records)
-    seconds = time.perf_counter() - t0
-
-    result = {
-        "model": m.path, "task": task.name, "data": t.path or task.default_path, "split": t.split or task.split,
-        "n": cfg.n, "k": cfg.k or cfg.n, "ks": ks, "temperature": cfg.temperature, "greedy": cfg.temperature == 0,
-        "top_p": cfg.top_p, "top_k": cfg.top_k, "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed,
-        "metrics": summary, "notes": notes, "seconds": seconds,
-    }
-    _save(run_dir, cfg.logging, result, rows)
-    print(f"{task.name}: {format_summary(summary)}  ({summary['num_problems']:.0f} problems x {cfg.n} samples, {seconds:.1f}s)")
-    for note in notes:
-        print(f"note: {note}")
-    k = cfg.k or cfg.n
-    banner.end("eval", run_dir=run_dir, seconds=time.perf_counter() - t_start, metrics=summary, resumable=False,
-               keys=("accuracy", f"pass@{k}", f"maj@{k}", "length_mean", "truncated_frac"))
-    return RunResult(run_dir=run_dir, steps=0, metrics=summary)
-
-
-def _sample_eval(cfg: Config, ks: list[int], task: Task, model, tok, engine, records: list[dict]
-                 ) -> tuple[dict, list[dict], list[str]]:
-    """Sample ``cfg.n`` completions per problem and score them: (summary, sample rows, notes)."""
-    t = cfg.task
+def _sample_eval(cfg: Config, ks: list[int], task: Task, tok, engine, records: list[dict], run_dir: Path
+                 ) -> dict[str, float]:
+    """Sample ``cfg.n`` completions per problem and score them; write eval.json, samples.jsonl and
+    the metrics, print the summary and its notes; returns the summary."""
+    t, t0 = cfg.task, time.perf_counter()
     try:
         summary, rows = evaluate(
-            model, tok, task, records, n=cfg.n, ks=ks, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+            engine, tok, task, records, n=cfg.n, ks=ks, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
             max_new_tokens=cfg.max_new_tokens, stop=cfg.stop, batch_prompts=cfg.batch_prompts, seed=cfg.seed,
             reward_workers=t.reward_workers, reward_timeout=t.reward_timeout, progress=cfg.logging.progress,
             desc=f"eval {task.name}", max_prompt_length=t.max_prompt_length, correct_threshold=cfg.correct_threshold,
-            max_batch_rows=cfg.max_batch_rows, engine=engine,
         )
     except ValueError as e:  # e.g. every prompt longer than task.max_prompt_length
         raise ConfigError(str(e)) from None
-
+    seconds = time.perf_counter() - t0
     notes = []
     if task.extract_spec is None:
         notes.append(f"maj@k omitted: task '{task.name}' has no answer extractor (set task.extract_fn to enable it)")
@@ -324,25 +250,29 @@ def _sample_eval(cfg: Config, ks: list[int], task: Task, model, tok, engine, rec
                      "(scored 0); see reward_error in samples.jsonl")
     if summary["skipped_long"]:
         notes.append(f"{summary['skipped_long']:.0f} problems skipped: prompt longer than task.max_prompt_length")
-    return summary, rows, notes
+    result = {
+        "model": cfg.model.path, "task": task.name, "data": t.path or task.default_path, "split": t.split or task.split,
+        "n": cfg.n, "k": cfg.k or cfg.n, "ks": ks, "temperature": cfg.temperature, "greedy": cfg.temperature == 0,
+        "top_p": cfg.top_p, "top_k": cfg.top_k, "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed,
+        "metrics": summary, "notes": notes, "seconds": seconds,
+    }
+    _save(run_dir, cfg.logging, result, rows)
+    print(f"{task.name}: {format_summary(summary)}  ({summary['num_problems']:.0f} problems x {cfg.n} samples, {seconds:.1f}s)")
+    for note in notes:
+        print(f"note: {note}")
+    return summary
 
 
 # --------------------------------------------------------------------------- inference-time search
 
 
 def _strategy_options(cfg: Config, name: str) -> dict[str, Any]:
-    """The search knobs a strategy takes, from ``search.*`` (and the sample eval's length and stop)."""
+    """The options strategy ``name`` takes: the shared ``search.*`` knobs its class has (with the
+    sample eval's length and stop strings), and its own section ``search.<section>.*``."""
     s = cfg.search
-    common = dict(temperature=s.temperature, top_p=s.top_p, max_new_tokens=cfg.max_new_tokens, delimiter=s.delimiter,
-                  aggregate=s.aggregate)
-    tree = dict(step_max_tokens=s.step_max_tokens, max_depth=s.max_depth, answer_marker=s.answer_marker or None)
-    if name == "mcts":
-        return {**common, **tree, "width": s.width, "c_puct": s.c_puct, "rule": s.rule, "c_uct": s.c_uct,
-                "prior": s.prior, "distinct": s.distinct, "leaf_eval": s.leaf_eval, "rollouts": s.rollouts,
-                "answer": s.answer, "top_k": s.top_k}
-    if name == "step_beam":
-        return {**common, **tree, "beams": s.beams, "width": s.width, "select": s.beam_select}
-    return {**common, "stop": tuple(cfg.stop), "round_size": s.round_size}
+    shared = {f.name: getattr(s, f.name) for f in dataclasses.fields(SearchKnobs)}
+    shared.update(max_new_tokens=cfg.max_new_tokens, stop=tuple(cfg.stop), answer_marker=s.answer_marker or None)
+    return options_for(name, shared, {spec.section: getattr(s, spec.section) for spec in STRATEGIES.values() if spec.section})
 
 
 def _check_search(cfg: Config, task: Task) -> list[tuple[str, Budget]]:
@@ -354,7 +284,7 @@ def _check_search(cfg: Config, task: Task) -> list[tuple[str, Budget]]:
         raise ConfigError(f"unknown strategy {', '.join(map(repr, bad))}; choose one of sample, {', '.join(STRATEGIES)}")
     if cfg.scorer and cfg.scorer not in SCORERS:
         raise ConfigError(f"unknown scorer {cfg.scorer!r}; choose one of {', '.join(SCORERS)}")
-    needing = [n for n in names if n in NEEDS_SCORER]
+    needing = [n for n in names if STRATEGIES[n].scorer]
     if needing and not cfg.scorer:
         raise ConfigError(f"strategy {', '.join(needing)} ranks solutions and needs a scorer: set scorer=verifier|rm|prm "
                           "and scorer_path (or scorer=rule for a task whose reward needs no gold answer)")
@@ -367,7 +297,7 @@ def _check_search(cfg: Config, task: Task) -> list[tuple[str, Budget]]:
         raise ConfigError(f"scorer={cfg.scorer} needs scorer_path (a {cfg.scorer} checkpoint folder)")
     elif cfg.scorer and not Path(cfg.scorer_path).expanduser().exists() and not looks_like_hub_id(cfg.scorer_path):
         raise ConfigError(f"scorer_path {cfg.scorer_path!r} does not exist")
-    if any(n in TREE for n in names) and not (cfg.search.answer_marker or task.answer_marker):
+    if any(STRATEGIES[n].tree for n in names) and not (cfg.search.answer_marker or task.answer_marker):
         raise ConfigError(f"task '{task.name}' has no answer marker, which step_beam and mcts need to tell a final step: "
                           "set search.answer_marker (e.g. '####')")
     if cfg.search.temperature <= 0 and any(n != "cot" for n in names):
@@ -386,8 +316,8 @@ def _check_search(cfg: Config, task: Task) -> list[tuple[str, Budget]]:
     return cells
 
 
-def _search(cfg: Config, cells: list[tuple[str, Budget]], task: Task, model, tok, engine, records: list[dict],
-            run_dir: Path, device) -> RunResult:
+def _search(cfg: Config, cells: list[tuple[str, Budget]], task: Task, tok, engine, records: list[dict],
+            run_dir: Path, device) -> dict[str, float]:
     """Run every (strategy, budget) cell on the same problems; write its files and the sweep's table."""
     t = cfg.task
     try:
@@ -410,12 +340,12 @@ def _search(cfg: Config, cells: list[tuple[str, Budget]], task: Task, model, tok
         for name, budget in cells:
             strategy = make_strategy(name, tok, **_strategy_options(cfg, name))
             summary, rows = search_eval(strategy, engine, task, problems, budget=budget,
-                                        scorer=scorer if name in NEEDS_SCORER else None, seed=cfg.seed, pool=pool,
+                                        scorer=scorer if STRATEGIES[name].scorer else None, seed=cfg.seed, pool=pool,
                                         batch_problems=cfg.search.batch_problems, correct_threshold=cfg.correct_threshold,
                                         progress=cfg.logging.progress, desc=f"{name} {task.name}")
             file = "search.jsonl" if len(cells) == 1 else f"search/{name}_{budget.max_generated_tokens or 'none'}.jsonl"
             write_samples(run_dir / file, rows)
-            sweep_rows.append({"strategy": name, "scorer": cfg.scorer if name in NEEDS_SCORER else "",
+            sweep_rows.append({"strategy": name, "scorer": cfg.scorer if STRATEGIES[name].scorer else "",
                                "budget": budget.max_generated_tokens, **summary, "file": file})
             print(f"{name} (budget {budget.max_generated_tokens or '-'}): accuracy {summary['accuracy']:.3f} "
                   f"[{summary['ci_low']:.3f}, {summary['ci_high']:.3f}], {summary['tokens_per_question']:.0f} tokens/question, "
@@ -427,9 +357,7 @@ def _search(cfg: Config, cells: list[tuple[str, Budget]], task: Task, model, tok
     if len(cells) > 1:
         atomic_write_text(run_dir / "sweep.json", json.dumps({**head, "rows": sweep_rows}, indent=2) + "\n")
         atomic_write_text(run_dir / "sweep.md", sweep_markdown(sweep_rows))
-        series = sweep_series(sweep_rows)[0]
-        svg, _ = sweep_chart_svg(series)
-        atomic_write_text(run_dir / "accuracy_vs_tokens.svg", _standalone_svg(svg, [label for label, _ in series]))
+        write_sweep_svg(run_dir / "accuracy_vs_tokens.svg", sweep_rows)
     first = sweep_rows[0]
     metrics = {k: v for k, v in first.items() if isinstance(v, float)} if len(cells) == 1 else {}
     result = {**head, "strategy": cfg.strategy if len(cells) == 1 else "sweep", "budget": asdict(cfg.budget),
@@ -437,24 +365,7 @@ def _search(cfg: Config, cells: list[tuple[str, Budget]], task: Task, model, tok
     if len(cells) > 1:
         result["sweep"] = {"strategies": [n for n, _ in cells], "file": "sweep.json"}
     _save(run_dir, cfg.logging, result, None)
-    return RunResult(run_dir=run_dir, steps=0, metrics=metrics)
-
-
-_SVG_STYLE = ("<style>.grid{stroke:#eef0f2}.frame{fill:none;stroke:#d0d7de}.tick,.axis-title{font:10px sans-serif;"
-              "fill:#57606a}.line,.errbar{fill:none;stroke-width:1.5}.pt{stroke:#fff}.legend{font:11px sans-serif}</style>")
-
-
-def _standalone_svg(svg: str, labels: list[str]) -> str:
-    """The report's sweep chart as a file a browser opens on its own: namespace, styles, legend."""
-    import html
-
-    from ..report import PALETTE
-
-    legend = "".join(f'<text class="legend" x="60" y="{24 + 14 * i}" fill="{PALETTE[i % len(PALETTE)]}">'
-                     f"\u25cf {html.escape(label)}</text>" for i, label in enumerate(labels))
-    svg = svg.replace("<svg", '<svg xmlns="http://www.w3.org/2000/svg"', 1) if "xmlns=" not in svg else svg
-    head_end = svg.index(">") + 1
-    return svg[:head_end] + _SVG_STYLE + svg[head_end:].replace("</svg>", legend + "</svg>") + "\n"
+    return metrics
 
 
 def _save(run_dir: Path, lg: LoggingConfig, result: dict[str, Any], rows: list[dict] | None) -> None:
@@ -462,8 +373,7 @@ def _save(run_dir: Path, lg: LoggingConfig, result: dict[str, Any], rows: list[d
     atomic_write_text(run_dir / "eval.json", json.dumps(result, indent=2) + "\n")
     if rows is not None:
         write_samples(run_dir / "samples.jsonl", rows)
-    tracker = Tracker(run_dir, total_steps=0, desc="eval", progress=False, tensorboard=lg.tensorboard, wandb=lg.wandb,
-                      wandb_project=lg.wandb_project, run_name=lg.run_name)
+    tracker = build.tracker_for(lg, run_dir, total_steps=0, desc="eval", progress=False)
     tracker.log(0, {f"eval/{k}": v for k, v in result["metrics"].items()}, advance=False)
     tracker.close()
 

@@ -9,6 +9,7 @@ import torch
 
 from .. import distributed
 from ..config import PreferenceDataConfig
+from ..errors import ConfigError
 from ..data.preference import PairExample, UnpairedExample, build_pair_examples, build_unpaired_examples
 from ..data.stats import announce
 from ..models import varlen
@@ -17,7 +18,8 @@ from ..models.varlen import continuation_starts, pack_index
 
 
 def load_examples(d: PreferenceDataConfig, tok, *, unpaired: bool = False, seed: int = 0, step_eos: bool = False):
-    """(train, eval, data metrics) from ``data.path`` and ``data.eval_path`` or a held-out fraction."""
+    """(train, eval, data metrics) from ``data.path`` and ``data.eval_path`` or a held-out fraction; no usable
+    training row is a ConfigError."""
     common = dict(max_length=d.max_length, truncation=d.truncation, skip_bad_rows=d.skip_bad_rows, prompt_key=d.prompt_key,
                   chosen_key=d.chosen_key, rejected_key=d.rejected_key, chat_template=d.chat_template,
                   system_prompt=d.system_prompt, max_rows=d.max_rows)
@@ -30,6 +32,10 @@ def load_examples(d: PreferenceDataConfig, tok, *, unpaired: bool = False, seed:
     train, stats = build(d.path, tok, split=d.split, key="data.path", **common)
     announce(stats)
     metrics = stats.as_metrics()
+    if not train:
+        raise ConfigError(f"data.path={d.path}: no usable rows ({metrics['data/rows']:.0f} read, "
+                          f"{metrics['data/dropped_too_long']:.0f} longer than data.max_length={d.max_length}, "
+                          f"{metrics['data/bad_rows']:.0f} bad)")
     held_out: list = []
     if d.eval_path:
         held_out, estats = build(d.eval_path, tok, split=d.eval_split or d.split, key="data.eval_path", **common)

@@ -31,22 +31,22 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .. import banner, distributed
+from .. import banner, distributed, rundir
 from ..checkpoint import atomic_write_text, list_checkpoints, load_model_weights, seed_everything
 from ..config import (
     CheckpointConfig,
     ConfigError,
     DataConfig,
-    LoggingConfig,
-    ModelConfig,
     OptimConfig,
+    RunFields,
+    TaskConfig,
     check_choice,
     check_common,
     check_fraction,
@@ -57,13 +57,10 @@ from ..config import (
 from ..envs.rewards import RewardPool
 from ..envs.tasks import encode_problems
 from ..evaluate import evaluate
-from ..models.loading import load_model_tokenizer, resolve_device
+from ..models.loading import load_model_tokenizer
 from ..rollout.collect import RolloutCollector
 from ..rollout.engine import SamplingParams, derive_seed
-from ..rundir import open_run
-from ..tracking import read_metrics
-from . import RunResult, build, sft
-from .rl import TaskConfig
+from . import RunResult, build, frame, sft
 
 SELECT_RULES = ("first_non_improving", "best", "last")
 _NOT_TEXT = re.compile("[\x00\ud800-\udfff]")  # what relign.data.readers rejects in a row
@@ -107,8 +104,7 @@ class ValConfig:
 
 
 @dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+class Config(RunFields):
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     val: ValConfig = field(default_factory=ValConfig)
@@ -133,17 +129,11 @@ class Config:
     max_length: int = 1024
     """Longest SFT example (prompt + response) in tokens; longer ones keep the prompt and cut the response."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5, warmup_ratio=0.03))
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
     prune_checkpoints: bool = False
     """Delete the epoch checkpoints that were not chosen (later iterations and resume read only the chosen ones)."""
-    run_dir: str = ""
-    """Where config.yaml, metrics.jsonl, rest.json and iter_k/ go (empty: runs/rest-<time>)."""
     resume: str = "none"
-    """'auto' continues after the last completed iteration in run_dir (rest_state.json); 'none' starts fresh."""
-    seed: int = 0
-    """Seed of the validation hold-out, sampling, fine-tuning and validation; iteration k seeds from (seed, k)."""
-    device: str = "auto"
-    """cpu, cuda, cuda:N or auto."""
+    """'auto' continues after the last completed iteration in run_dir (rest_state.json); 'none' starts fresh.
+    Iteration k seeds everything from (seed, k), so a resumed run repeats the uninterrupted one."""
 
 
 # --------------------------------------------------------------------------- the math (pure)
@@ -331,13 +321,23 @@ def _fault(k: int) -> None:
 # --------------------------------------------------------------------------- the loop
 
 
+@dataclass
+class _Rest:
+    """What every iteration reads, built once by ``train``."""
+
+    cfg: Config
+    run_dir: Path
+    device: Any
+    tok: Any
+    train_records: list[dict]
+    pool: RewardPool
+    tracker: Any
+    validate: Callable[[Path | None], dict[str, float]]
+    log: dict[str, Any]
+
+
 def train(cfg: Config) -> RunResult:
-    t_start = time.perf_counter()
-    distributed.init()
-    _check(cfg)
-    device = resolve_device(cfg.device)
-    seed_everything(iteration_seed(cfg.seed, 0))
-    run_dir = open_run(cfg, "rest")  # a fresh directory unless resuming the same run (relign.rundir)
+    run = frame.open(cfg, "rest", check=_check, seed=iteration_seed(cfg.seed, 0))
     t, ro, m = cfg.task, cfg.rollout, cfg.model
     task = build.task_for(t)
     if task.env:
@@ -346,112 +346,130 @@ def train(cfg: Config) -> RunResult:
     train_records, val_records, val_source = _records(cfg, task, tok)
     per_iteration = min(cfg.prompts_per_iteration or len(train_records), len(train_records))
     # the parameters are counted from the model's config: each stage loads its own weights
-    banner.start("rest", cfg, run_dir=run_dir, device=device,
+    banner.start("rest", cfg, run_dir=run.run_dir, device=run.device,
                  data=f"{len(train_records):,} training prompts, {len(val_records):,} validation ({val_source})",
                  steps=f"{cfg.iterations} iterations x {per_iteration:,} prompts x {ro.n} samples, then "
                        f"{cfg.epochs} SFT epoch(s) on the kept ones")
-    start, current, log = _resume(cfg, run_dir)
+    start, current, log = _resume(cfg, run.run_dir)
     pool = RewardPool.from_task(task, num_workers=t.reward_workers, timeout=t.reward_timeout)
-    tracker = build.tracker_for(cfg.logging, run_dir, total_steps=cfg.iterations, start_step=start, desc="rest",
+    tracker = build.tracker_for(cfg.logging, run.run_dir, total_steps=cfg.iterations, start_step=start, desc="rest",
                                 bar_keys=("rest/val_accuracy", "rest/kept", "rest/correct_frac"))
 
-    def validate(model) -> dict[str, float]:  # the same problems and seeds for every model
-        summary, _ = evaluate(model, tok, task, val_records, n=cfg.val.n, temperature=cfg.val.temperature,
+    def validate(ckpt: Path | None) -> dict[str, float]:  # the same problems and seeds for every model
+        engine = build.engine_for("hf", _load(cfg, ckpt, run.device), tok, max_batch_rows=ro.max_batch_rows, seed=cfg.seed)
+        summary, _ = evaluate(engine, tok, task, val_records, n=cfg.val.n, temperature=cfg.val.temperature,
                               max_new_tokens=cfg.val.max_new_tokens or ro.max_new_tokens, stop=ro.stop,
-                              batch_prompts=cfg.val.batch_prompts, seed=cfg.seed, pool=pool, progress=False,
-                              max_batch_rows=ro.max_batch_rows)
+                              batch_prompts=cfg.val.batch_prompts, seed=cfg.seed, pool=pool, progress=False)
         return summary
 
+    rest = _Rest(cfg, run.run_dir, run.device, tok, train_records, pool, tracker, validate, log)
     status, metrics = "completed", {}
     try:
         if start == 0:
-            base = validate(_load(cfg, None, device))["accuracy"]
+            base = validate(None)["accuracy"]
             log.update(base=m.path, base_val_accuracy=base, val_source=val_source, iterations=[])
             tracker.log(0, {"rest/val_accuracy": base}, advance=False)
             tracker.write(f"base model: validation accuracy {base:.4f} on {len(val_records)} problems ({val_source})")
         else:
             tracker.write(f"resumed after iteration {start}: sampling from {current}")
         for k in range(start + 1, cfg.iterations + 1):
-            seed = iteration_seed(cfg.seed, k)
-            seed_everything(seed)
-            it = run_dir / f"iter_{k}"
-            shutil.rmtree(it, ignore_errors=True)  # a killed attempt at this iteration is redone from scratch
-            it.mkdir()
-            t0 = time.perf_counter()
-
-            # ---- 1. sample n completions per prompt from the current model
-            indices = _prompts(len(train_records), cfg.prompts_per_iteration, seed)
-            model = _load(cfg, run_dir / current if current else None, device)
-            groups = _sample(model, tok, train_records, indices, cfg, pool, seed)
-            del model
-            t1 = time.perf_counter()
-
-            # ---- 2. filter: reward >= threshold, finished, at most max_per_prompt per prompt
-            kept, stats = filter_samples(groups, cfg.threshold, cfg.max_per_prompt)
-            rows = [_sft_record(r, train_records[r["problem"]]) for r in kept]
-            _write_jsonl(it / "samples.jsonl", rows)
-            _write_json(it / "filter.json", {"threshold": cfg.threshold, "max_per_prompt": cfg.max_per_prompt, **stats})
-            metrics = {"rest/kept": stats["kept"], "rest/sampled": stats["sampled"],
-                       "rest/correct_frac": stats["correct"] / max(1, stats["sampled"]),
-                       "rest/prompts_with_any": stats["prompts_with_any"] / max(1, stats["prompts"]),
-                       "rest/truncated_frac": stats["truncated"] / max(1, stats["sampled"]), "time/sample_s": t1 - t0}
-            if not rows:
-                last = str(run_dir / current) if current else f"the base model {m.path}"
-                message = (f"iteration {k} kept 0 of {stats['sampled']} completions (threshold {cfg.threshold}; truncated "
-                           f"completions count as failed): nothing to fine-tune on; the last good checkpoint is {last}")
-                status = f"stopped: {message}"
-                tracker.write(message)
-                tracker.log(k, metrics)
-                log["status"] = status
-                _write_json(run_dir / "rest.json", log)
+            current, metrics, stop = _iteration(rest, k, current)
+            if stop:
+                status = stop
                 break
-
-            # ---- 3. fine-tune (from the base model by default) with a checkpoint per epoch
-            init = m.path if cfg.from_base or not current else str(run_dir / current)
-            sft_cfg = _sft_config(cfg, init, it, len(rows), seed)
-            with banner.nested():  # the ReST-EM run's banner and summary describe it, not each fine-tune's
-                result = sft.train(sft_cfg, desc=f"rest sft {k}")
-            ckpts = [p for _, p in list_checkpoints(it / "sft")]
-            t2 = time.perf_counter()
-
-            # ---- 4. select a checkpoint on validation accuracy
-            summaries = [validate(_load(cfg, p, device)) for p in ckpts]
-            accs = [s["accuracy"] for s in summaries]
-            e = select_checkpoint(accs, cfg.select)
-            current = str(ckpts[e].relative_to(run_dir))
-            _write_json(it / "val.json", {"select": cfg.select, "accuracy": accs, "chosen_epoch": e + 1, "chosen": current,
-                                          "checkpoints": [str(p.relative_to(run_dir)) for p in ckpts], "summaries": summaries})
-            if cfg.prune_checkpoints:
-                for p in ckpts[:e] + ckpts[e + 1:]:
-                    shutil.rmtree(p, ignore_errors=True)
-            t3 = time.perf_counter()
-
-            # ---- 5. record the iteration; the chosen checkpoint samples the next one
-            metrics.update({"rest/val_accuracy": accs[e], "rest/chosen_epoch": e + 1,
-                            "rest/sft_loss": result.metrics.get("train/loss", float("nan")),
-                            "rest/sft_steps": result.steps, "time/sft_s": t2 - t1, "time/val_s": t3 - t2})
-            tracker.log(k, metrics)
-            tracker.write(f"iteration {k}: kept {stats['kept']} of {stats['sampled']} ({stats['prompts_with_any']} of "
-                          f"{stats['prompts']} prompts), validation accuracy per epoch {[round(a, 4) for a in accs]}, "
-                          f"chose epoch {e + 1}: {current}")
-            log["iterations"].append({"iteration": k, "seed": seed, **stats, "sft_init": init, "sft_run": f"iter_{k}/sft",
-                                      "sft_batch_size": sft_cfg.batch_size, "sft_steps": result.steps,
-                                      "val_accuracy": accs, "chosen_epoch": e + 1, "chosen": current,
-                                      "seconds": {"sample": t1 - t0, "sft": t2 - t1, "val": t3 - t2}})
-            log["status"] = "running" if k < cfg.iterations else "completed"
-            _write_json(run_dir / "rest.json", log)
-            _write_json(run_dir / STATE_FILE, {"iteration": k, "checkpoint": current})  # the commit point
             _fault(k)
     finally:
         pool.close()
         tracker.close()
     done = [h["iteration"] for h in log.get("iterations", [])]
-    banner.end("rest", run_dir=run_dir, seconds=time.perf_counter() - t_start, metrics=metrics, status=status,
-               keys=("rest/val_accuracy", "rest/kept", "rest/correct_frac", "rest/chosen_epoch"),
-               checkpoint=run_dir / current if current else None)
-    return RunResult(run_dir=run_dir, steps=max(done, default=0), history=read_metrics(run_dir),
-                     metrics={**metrics, "status": status, "checkpoint": str(run_dir / current) if current else m.path},
-                     checkpoint=run_dir / current if current else None)
+    chosen = run.run_dir / current if current else None
+    return frame.close(run, metrics=metrics, status=status, steps=max(done, default=0), checkpoint=chosen,
+                       keys=("rest/val_accuracy", "rest/kept", "rest/correct_frac", "rest/chosen_epoch"),
+                       result={**metrics, "status": status, "checkpoint": str(chosen) if chosen else m.path})
+
+
+def _iteration(rest: _Rest, k: int, current: str | None) -> tuple[str | None, dict[str, float], str]:
+    """Iteration k: (the chosen checkpoint, relative to the run directory; its metrics; "" or why the run stops)."""
+    cfg, run_dir, m = rest.cfg, rest.run_dir, rest.cfg.model
+    seed = iteration_seed(cfg.seed, k)
+    seed_everything(seed)
+    it = run_dir / f"iter_{k}"
+    shutil.rmtree(it, ignore_errors=True)  # a killed attempt at this iteration is redone from scratch
+    it.mkdir()
+    t0 = time.perf_counter()
+
+    # ---- 1. sample n completions per prompt from the current model
+    indices = _prompts(len(rest.train_records), cfg.prompts_per_iteration, seed)
+    model = _load(cfg, run_dir / current if current else None, rest.device)
+    groups = _sample(model, rest.tok, rest.train_records, indices, cfg, rest.pool, seed)
+    del model
+    t1 = time.perf_counter()
+
+    # ---- 2. filter: reward >= threshold, finished, at most max_per_prompt per prompt
+    kept, stats = filter_samples(groups, cfg.threshold, cfg.max_per_prompt)
+    rows = [_sft_record(r, rest.train_records[r["problem"]]) for r in kept]
+    _write_jsonl(it / "samples.jsonl", rows)
+    _write_json(it / "filter.json", {"threshold": cfg.threshold, "max_per_prompt": cfg.max_per_prompt, **stats})
+    metrics = _filter_metrics(stats, t1 - t0)
+    if not rows:
+        return current, metrics, _stop(rest, k, stats, current, metrics)
+
+    # ---- 3. fine-tune (from the base model by default) with a checkpoint per epoch
+    init = m.path if cfg.from_base or not current else str(run_dir / current)
+    sft_cfg = _sft_config(cfg, init, it, len(rows), seed)
+    with rundir.nested():  # the ReST-EM run's banner and summary describe it, not each fine-tune's
+        result = sft.train(sft_cfg, desc=f"rest sft {k}")
+    ckpts = [p for _, p in list_checkpoints(it / "sft")]
+    t2 = time.perf_counter()
+
+    # ---- 4. select a checkpoint on validation accuracy
+    summaries = [rest.validate(p) for p in ckpts]
+    accs = [s["accuracy"] for s in summaries]
+    e = select_checkpoint(accs, cfg.select)
+    current = str(ckpts[e].relative_to(run_dir))
+    _write_json(it / "val.json", {"select": cfg.select, "accuracy": accs, "chosen_epoch": e + 1, "chosen": current,
+                                  "checkpoints": [str(p.relative_to(run_dir)) for p in ckpts], "summaries": summaries})
+    if cfg.prune_checkpoints:
+        for p in ckpts[:e] + ckpts[e + 1:]:
+            shutil.rmtree(p, ignore_errors=True)
+    t3 = time.perf_counter()
+
+    # ---- 5. record the iteration; the chosen checkpoint samples the next one
+    metrics.update({"rest/val_accuracy": accs[e], "rest/chosen_epoch": e + 1,
+                    "rest/sft_loss": result.metrics.get("train/loss", float("nan")),
+                    "rest/sft_steps": result.steps, "time/sft_s": t2 - t1, "time/val_s": t3 - t2})
+    rest.tracker.log(k, metrics)
+    rest.tracker.write(f"iteration {k}: kept {stats['kept']} of {stats['sampled']} ({stats['prompts_with_any']} of "
+                       f"{stats['prompts']} prompts), validation accuracy per epoch {[round(a, 4) for a in accs]}, "
+                       f"chose epoch {e + 1}: {current}")
+    rest.log["iterations"].append({"iteration": k, "seed": seed, **stats, "sft_init": init, "sft_run": f"iter_{k}/sft",
+                                   "sft_batch_size": sft_cfg.batch_size, "sft_steps": result.steps,
+                                   "val_accuracy": accs, "chosen_epoch": e + 1, "chosen": current,
+                                   "seconds": {"sample": t1 - t0, "sft": t2 - t1, "val": t3 - t2}})
+    rest.log["status"] = "running" if k < cfg.iterations else "completed"
+    _write_json(run_dir / "rest.json", rest.log)
+    _write_json(run_dir / STATE_FILE, {"iteration": k, "checkpoint": current})  # the commit point
+    return current, metrics, ""
+
+
+def _filter_metrics(stats: dict[str, int], sample_s: float) -> dict[str, float]:
+    """The E-step's figures as rest/* metrics."""
+    n = max(1, stats["sampled"])
+    return {"rest/kept": stats["kept"], "rest/sampled": stats["sampled"], "rest/correct_frac": stats["correct"] / n,
+            "rest/prompts_with_any": stats["prompts_with_any"] / max(1, stats["prompts"]),
+            "rest/truncated_frac": stats["truncated"] / n, "time/sample_s": sample_s}
+
+
+def _stop(rest: _Rest, k: int, stats: dict[str, int], current: str | None, metrics: dict[str, float]) -> str:
+    """Iteration k kept nothing: say so, log it, record it in rest.json; the run's status."""
+    last = str(rest.run_dir / current) if current else f"the base model {rest.cfg.model.path}"
+    message = (f"iteration {k} kept 0 of {stats['sampled']} completions (threshold {rest.cfg.threshold}; truncated "
+               f"completions count as failed): nothing to fine-tune on; the last good checkpoint is {last}")
+    rest.tracker.write(message)
+    rest.tracker.log(k, metrics)
+    rest.log["status"] = f"stopped: {message}"
+    _write_json(rest.run_dir / "rest.json", rest.log)
+    return rest.log["status"]
 
 
 # --------------------------------------------------------------------------- the stages

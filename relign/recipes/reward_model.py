@@ -16,7 +16,6 @@ reward.model=RUN/checkpoints/step_N`` uses one as a learned reward.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -24,20 +23,9 @@ import torch
 
 from .. import banner, distributed
 from ..algorithms.preference import bradley_terry_loss
-from ..checkpoint import (
-    gather_train_state,
-    load_model_weights,
-    resolve_resume,
-    resume_training,
-    save_checkpoint,
-    save_final,
-    seed_everything,
-)
 from ..config import (
-    CheckpointConfig,
+    BatchFields,
     ConfigError,
-    LoggingConfig,
-    ModelConfig,
     OptimConfig,
     PreferenceDataConfig,
     check_choice,
@@ -48,48 +36,24 @@ from ..config import (
     check_positive,
     check_rows,
 )
-from ..data.collate import StepSampler, chunks, shard
+from ..data.collate import chunks, shard
 from ..data.preference import TRUNCATION
-from ..models.loading import apply_lora, load_model_tokenizer, resolve_device, trainable_parameters
-from ..models.reward import load_reward_model, sequence_rewards
-from ..optim import build_training, clip_gradients
-from ..rundir import open_run
-from ..tracking import Tracker, read_metrics
-from . import RunResult
+from ..models.loading import load_model_tokenizer
+from ..models.reward import sequence_rewards
+from . import RunResult, build, frame
 from .pairs import add_sums, average_sums, collate_pairs, load_examples
 
 
 @dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+class Config(BatchFields):
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, warmup_ratio=0.03))
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval_batch_size: int = 8
+    """Pairs per eval forward pass."""
     use_margin: bool = False
     """Subtract each row's 'margin' field inside the sigmoid (Llama 2); rows without one use 0."""
     center_coef: float = 0.0
     """Weight c of the reward-centering term c (r_w + r_l)^2 (Eisenstein et al.; 1e-2 is typical)."""
-    run_dir: str = ""
-    """Where config.yaml, metrics.jsonl and checkpoints/ go (empty: runs/rm-<time>)."""
-    resume: str = "none"
-    """'auto' continues from the newest complete checkpoint in run_dir; or a checkpoint path; 'none' starts fresh."""
-    seed: int = 0
-    """Seed for initialisation and data order."""
-    device: str = "auto"
-    """cpu, cuda, cuda:N or auto."""
-    max_steps: int = 0
-    """Optimizer steps to run (0 = epochs x steps per epoch)."""
-    epochs: float = 1.0
-    """Passes over the training data when max_steps is 0."""
-    batch_size: int = 16
-    """Pairs per optimizer step, summed over all ranks."""
-    micro_batch_size: int = 4
-    """Pairs per forward/backward pass on one rank."""
-    eval_every: int = 0
-    """Evaluate on the held-out pairs every N steps (0 = only at the end, when there is eval data)."""
-    eval_batch_size: int = 8
-    """Pairs per eval forward pass."""
 
 
 def _check(cfg: Config) -> None:
@@ -114,117 +78,70 @@ def pair_rewards(model, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torc
     return r[0::2], r[1::2]
 
 
-def train(cfg: Config) -> RunResult:
-    t_start = time.perf_counter()
-    distributed.init()
-    _check(cfg)
-    device = resolve_device(cfg.device)
-    rank, world = distributed.rank(), distributed.world_size()
-    seed_everything(cfg.seed)
-    run_dir = open_run(cfg, "rm")  # a fresh directory unless resuming the same run (relign.rundir)
+class PairLosses:
+    """The Bradley-Terry loss of the reward model on rows of a pair set, and its held-out metrics."""
 
-    m = cfg.model
-    tok = load_model_tokenizer(m)
-    train_set, eval_set, data_metrics = load_examples(cfg.data, tok, seed=cfg.seed)
-    if not train_set:
-        raise ConfigError(f"data.path={cfg.data.path}: no usable rows ({data_metrics['data/rows']:.0f} read, "
-                          f"{data_metrics['data/dropped_too_long']:.0f} longer than data.max_length={cfg.data.max_length}, "
-                          f"{data_metrics['data/bad_rows']:.0f} bad)")
-    check_rows(len(train_set), cfg.batch_size, what=f"data.path={cfg.data.path}")
-    steps_per_epoch = len(train_set) // cfg.batch_size  # StepSampler drops an epoch's short tail
-    total_steps = cfg.max_steps or max(1, int(math.ceil(cfg.epochs * steps_per_epoch)))
-    run_facts = dict(  # for the start banner and --dry-run
-        run_dir=run_dir, device=device, kind="seq_cls",
-        data=banner.data_line(int(data_metrics["data/rows"] + data_metrics.get("data/eval_rows", 0)), len(train_set),
-                              len(eval_set)),
-        steps=banner.steps_line(total_steps, max_steps=cfg.max_steps, epochs=cfg.epochs, steps_per_epoch=steps_per_epoch,
-                                batch=f"{cfg.batch_size} pairs"),
-    )
-    banner.dry_run("rm", cfg, **run_facts)  # --dry-run stops here, before any weights are read
-    model = load_reward_model(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code,
-                              gradient_checkpointing=m.gradient_checkpointing, lean_activations=m.lean_activations,
-                              pad_token_id=tok.pad_token_id, device=device)
-    if m.lora.enabled:  # the new score head trains in full next to the adapter
-        model = apply_lora(model, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout, target_modules=m.lora.target_modules,
-                           task_type="SEQ_CLS", modules_to_save=["score"])
-    ckpt = resolve_resume(cfg.resume, run_dir)
-    if ckpt is not None:
-        load_model_weights(model, ckpt)
-    banner.start("rm", cfg, model=model, **run_facts)  # parameters counted before FSDP shards them
-    model = distributed.wrap_fsdp(model)
+    def __init__(self, cfg: Config, model, pad_id: int, device):
+        self.cfg, self.model, self.pad_id, self.device = cfg, model, pad_id, device
 
-    sampler = StepSampler(len(train_set), cfg.batch_size, seed=cfg.seed)
-    o = cfg.optim
-    optimizer, scheduler = build_training(model, o, total_steps)
-    start_step = resume_training(ckpt, model, optimizer, scheduler, sampler)
-
-    def save(step: int) -> None:
-        model_sd, optim_sd = gather_train_state(model, optimizer)
-        if distributed.is_main():
-            save_checkpoint(run_dir, step, model=model, tokenizer=tok, state_dict=model_sd,
-                            tensors={"optimizer": optim_sd, "scheduler": scheduler.state_dict()},
-                            state={"sampler": sampler.state_dict(), "recipe": "rm"}, keep_last=cfg.checkpoint.keep_last)
-        distributed.barrier()
-
-    def pair_losses(idx: list[int], exs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        mb = collate_pairs([exs[i] for i in idx], tok.pad_token_id, device)
-        r_w, r_l = pair_rewards(model, mb)
-        return bradley_terry_loss(r_w, r_l, margin=mb["margins"] if cfg.use_margin else None, center_coef=cfg.center_coef)
+    def of(self, idx: list[int], exs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        mb = collate_pairs([exs[i] for i in idx], self.pad_id, self.device)
+        r_w, r_l = pair_rewards(self.model, mb)
+        return bradley_terry_loss(r_w, r_l, margin=mb["margins"] if self.cfg.use_margin else None,
+                                  center_coef=self.cfg.center_coef)
 
     @torch.no_grad()
-    def evaluate() -> dict[str, float]:
-        model.eval()
-        mine = shard(list(range(len(eval_set))), rank, world)
+    def evaluate(self, eval_set) -> dict[str, float]:
+        """eval/* over this rank's share of the held-out pairs, averaged over all ranks."""
+        self.model.eval()
+        mine = shard(list(range(len(eval_set))), distributed.rank(), distributed.world_size())
         sums: dict[str, torch.Tensor] = {}
-        parts = distributed.lockstep(list(chunks(mine, cfg.eval_batch_size)), filler=[0])
-        with banner.progress(len(parts), "rm eval", enabled=cfg.logging.progress, leave=False, delay=3.0) as bar:
+        parts = distributed.lockstep(list(chunks(mine, self.cfg.eval_batch_size)), filler=[0])
+        with banner.progress(len(parts), "rm eval", enabled=self.cfg.logging.progress, leave=False, delay=3.0) as bar:
             for part, real in parts:
-                losses, met = pair_losses(part, eval_set)
+                losses, met = self.of(part, eval_set)
                 if real:  # else a forward only to keep the ranks in step
                     add_sums(sums, {"loss": losses, **met})
                 bar.update()
-        model.train()
-        distributed.reshard(model)  # a forward with no backward (see distributed.reshard)
-        return average_sums(sums, len(mine), "eval/", device=device, names=METRIC_NAMES)
+        self.model.train()
+        distributed.reshard(self.model)  # a forward with no backward (see distributed.reshard)
+        return average_sums(sums, len(mine), "eval/", device=self.device, names=METRIC_NAMES)
 
-    lg = cfg.logging
-    tracker = Tracker(run_dir, total_steps=total_steps, start_step=start_step, desc="rm", progress=lg.progress,
-                      bar_keys=("train/loss", "train/accuracy", "train/rewards/margins", "eval/accuracy"),
-                      tensorboard=lg.tensorboard, wandb=lg.wandb, wandb_project=lg.wandb_project, run_name=lg.run_name)
-    if start_step == 0:
-        tracker.log(0, data_metrics, advance=False)
-    else:
-        tracker.write(f"resumed from {ckpt} at step {start_step}")
 
-    params = trainable_parameters(model)
+def train(cfg: Config) -> RunResult:
+    run = frame.open(cfg, "rm", check=_check)
+    tok = load_model_tokenizer(cfg.model)
+    train_set, eval_set, data_metrics = load_examples(cfg.data, tok, seed=cfg.seed)
+    check_rows(len(train_set), cfg.batch_size, what=f"data.path={cfg.data.path}")
+    total_steps, per_epoch = frame.schedule(cfg, len(train_set))
+    facts = frame.offline_facts(run, total_steps, per_epoch, read=int(data_metrics["data/rows"] + data_metrics.get(
+        "data/eval_rows", 0)), train=len(train_set), eval_rows=len(eval_set), unit="pairs", kind="seq_cls")
+    banner.dry_run("rm", cfg, **facts)  # --dry-run stops here, before any weights are read
+    model = build.load_reward(cfg.model, run.device, tok.pad_token_id)
+    banner.start("rm", cfg, model=model, **facts)  # parameters counted before FSDP shards them
+    t = frame.trainable(run, model, ckpt=frame.checkpoint_to_resume(run), rows=len(train_set), batch_size=cfg.batch_size,
+                        total_steps=total_steps)
+    save = frame.saver(run, t, tok)
+    losses = PairLosses(cfg, t.model, tok.pad_token_id, run.device)
+    tracker = frame.tracker(run, t, desc="rm", first=data_metrics,
+                            bar_keys=("train/loss", "train/accuracy", "train/rewards/margins", "eval/accuracy"))
     metrics: dict[str, float] = {}
-    for step in range(start_step + 1, total_steps + 1):
+    for step in frame.steps(t):
         t0 = time.perf_counter()
-        mine = shard(sampler.next(), rank, world)
+        mine = shard(t.sampler.next(), run.rank, run.world)
         sums: dict[str, torch.Tensor] = {}
         for part in chunks(mine, cfg.micro_batch_size):
-            losses, met = pair_losses(part, train_set)
-            (losses.sum() / cfg.batch_size * world).backward()  # mean over the global batch
-            add_sums(sums, {"loss": losses, **met})
-        grad_norm = clip_gradients(params, o.max_grad_norm)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+            per_pair, met = losses.of(part, train_set)
+            (per_pair.sum() / cfg.batch_size * run.world).backward()  # mean over the global batch
+            add_sums(sums, {"loss": per_pair, **met})
+        step_metrics = frame.optimizer_step(t, cfg.optim.max_grad_norm)
         seconds = time.perf_counter() - t0
-        metrics = average_sums(sums, len(mine), "train/", device=device, names=METRIC_NAMES)
-        metrics.update({"train/grad_norm": grad_norm, "train/lr": lr, "perf/pairs_per_s": cfg.batch_size / max(seconds, 1e-9),
-                        "train/epoch": sampler.epoch + sampler.position / max(1, sampler.n)})
-        if eval_set and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps):
-            metrics.update(evaluate())
-        tracker.log(step, metrics)
-        if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
-            save(step)
-
-    last = save_final(run_dir, save, total_steps=total_steps, start_step=start_step, save_final=cfg.checkpoint.save_final)
+        metrics = average_sums(sums, len(mine), "train/", device=run.device, names=METRIC_NAMES)
+        metrics.update({**step_metrics, "perf/pairs_per_s": cfg.batch_size / max(seconds, 1e-9), "train/epoch": frame.epoch(t)})
+        if eval_set and frame.eval_due(step, cfg.eval_every, total_steps):
+            metrics.update(losses.evaluate(eval_set))
+        frame.log(run, tracker, save, step, metrics)
+    last = frame.save_last(run, t, save)
     tracker.close()
-    history = read_metrics(run_dir) if distributed.is_main() else []
-    distributed.barrier()
-    banner.end("rm", run_dir=run_dir, seconds=time.perf_counter() - t_start, metrics=metrics,
-               keys=("train/loss", "train/accuracy", "eval/loss", "eval/accuracy"), checkpoint=last)
-    return RunResult(run_dir=run_dir, steps=total_steps, metrics=metrics, checkpoint=last, history=history)
+    return frame.close(run, metrics=metrics, keys=("train/loss", "train/accuracy", "eval/loss", "eval/accuracy"),
+                       steps=total_steps, checkpoint=last)

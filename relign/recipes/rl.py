@@ -25,51 +25,45 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from .. import banner, distributed
+from .. import banner, distributed, rundir
 from ..algorithms import shaping
 from ..algorithms.kl import kl_estimate
 from ..algorithms.policy_losses import truncated_is_weights
-from ..checkpoint import (
-    gather_train_state,
-    load_checkpoint,
-    load_model_weights,
-    resolve_resume,
-    restore_optimizer,
-    resume_training,
-    save_checkpoint,
-    save_final,
-    seed_everything,
-)
-from ..config import ConfigError
+from ..checkpoint import gather_train_state, load_checkpoint, load_model_weights, restore_optimizer, save_final
 from ..data.collate import StepSampler
-from ..evaluate import PeriodicEval, check_eval_during_training
+from ..evaluate import PeriodicEval
 from ..models import varlen
-from ..models.loading import load_model_tokenizer, resolve_device, trainable_parameters
-from ..optim import build_optimizer, build_training
+from ..models.loading import load_model_tokenizer, trainable_parameters
+from ..models.value import ValueModel
+from ..optim import build_optimizer
 from ..rollout.batch import RolloutBatch, build_batch
+from ..rollout.collect import RolloutCollector
+from ..rollout.engine import Engine
 from ..rollout.traces import write_traces
 from ..rollout.vine import AdaptiveK, VineEpisode, mc_step_values
 from ..rollout.weights import engine_weights
-from ..rundir import open_run
-from ..tracking import StageClock, read_metrics
-from . import RunResult, build
+from ..tracking import StageClock, Tracker
+from . import RunResult, build, frame
 # the recipe's config lives beside it (rl_config.py); rl.Config & co. stay its public names
 from .rl_config import (  # noqa: F401
     AlgorithmConfig,
     Config,
     CriticConfig,
+    EvalDuringTrainingConfig,
     LearnedRewardConfig,
     RolloutConfig,
     TaskConfig,
     TrpoConfig,
     VineConfig,
+    check_eval_during_training,
 )
 from .rl_config import check as _check
-from .rl_advantages import ESTIMATORS, AdvantageOptions, Estimator, Rewards, check_terms, shaped_rewards
+from .rl_advantages import ESTIMATORS, AdvantageOptions, Estimator, Rewards, shaped_rewards
 from .rl_update import ActorLoss, Layout, Stats, plan, score_logps, score_values, trpo_update, update_critic, update_policy
 
 
@@ -77,55 +71,46 @@ from .rl_update import ActorLoss, Layout, Stats, plan, score_logps, score_values
 class _Run:
     """Everything ``train`` drives; built once by ``_setup``."""
 
-    tok: object
+    tok: Any
     policy: torch.nn.Module
     ref: torch.nn.Module | None
-    critic: torch.nn.Module | None
-    engine: object
-    collector: object
+    critic: ValueModel | None
+    engine: Engine
+    collector: RolloutCollector
     sampler: StepSampler
     optimizer: torch.optim.Optimizer
-    scheduler: object
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     critic_opt: torch.optim.Optimizer | None
     layout: Layout
     loss_fn: ActorLoss
     estimator: Estimator
     options: AdvantageOptions
-    tracker: object
+    tracker: Tracker
     evaluator: PeriodicEval | None
     start: int
     step_delimiter: str = ""
     """Where a response's steps end (VinePPO)."""
 
 
-def _setup(cfg: Config, device, run_dir) -> tuple[_Run, Callable[[int], None]]:
+def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
     a, ro, m, t = cfg.algorithm, cfg.rollout, cfg.model, cfg.task
     task = build.task_for(t)
-    check_eval_during_training(cfg.eval, task=t.name, env=t.env or task.env or "")
+    env = t.env or task.env or ""
+    check_eval_during_training(cfg.eval, task=t.name, env=env)
     estimator = ESTIMATORS[a.advantage]
-    if estimator.values == "monte_carlo" and (t.env or task.env):
-        raise ConfigError("algorithm.advantage=vine estimates values of single-turn responses, not of multi-turn episodes")
-    if estimator.values == "monte_carlo" and not (cfg.vine.delimiter or task.step_delimiter):
-        raise ConfigError(f"algorithm.advantage=vine splits responses into steps, and task '{task.name}' has no step "
-                          "delimiter: set vine.delimiter (e.g. vine.delimiter='\\n')")
+    delimiter = cfg.vine.delimiter or task.step_delimiter or ""
+    if estimator.check_task is not None:
+        estimator.check_task(task.name, env, delimiter)
     # ---- models: weights (a resumed run's) are loaded before sharding and before the engine's replica
     tok = load_model_tokenizer(m)
-    if banner.dry_run_requested():  # count the prompts and the parameters without reading any weights, and stop
-        _dry_run(cfg, task, tok, device, run_dir)
-    policy = build.load_policy(m, device)
-    ckpt = resolve_resume(cfg.resume, run_dir)
+    if rundir.dry_run_requested():  # count the prompts and the parameters without reading any weights, and stop
+        _dry_run(cfg, task, tok, run)
+    policy = build.load_policy(m, run.device)
+    ckpt = frame.checkpoint_to_resume(run)
     ref = None
     if a.kl != "none" and not m.lora.enabled:  # with LoRA the reference is the base model, adapter disabled
-        ref = distributed.wrap_fsdp(build.load_frozen(m.path, m, device))
-    critic = critic_opt = None
-    if estimator.values == "critic":
-        critic = build.load_critic(cfg.critic.path or m.path, m, device, key="critic.path" if cfg.critic.path else "model.path")
-        if ckpt is not None:
-            load_model_weights(critic.lm, ckpt / "critic")
-            critic.load_head(ckpt / "critic")
-        critic = distributed.wrap_fsdp(critic)
-        critic_opt = build_optimizer(critic, lr=cfg.critic.lr, weight_decay=cfg.optim.weight_decay,
-                                     betas=(cfg.optim.beta1, cfg.optim.beta2))
+        ref = frame.shard(build.load_frozen(m.path, m, run.device))
+    critic, critic_opt = _critic(cfg, ckpt, run.device) if estimator.values == "critic" else (None, None)
     # packed rows run sequence by sequence (relign.models.varlen); a group's prompt runs once,
     # its responses continuing it in the packed row where varlen applies, else in padded rows
     # against its KV cache
@@ -137,13 +122,11 @@ def _setup(cfg: Config, device, run_dir) -> tuple[_Run, Callable[[int], None]]:
                               fast_decode=ro.fast_decode,
                               max_model_len=t.max_prompt_length + (ro.max_response_tokens or ro.max_new_tokens * ro.max_turns),
                               rows=max(1, cfg.prompts_per_step // distributed.world_size()) * ro.n)
-    policy = distributed.wrap_fsdp(policy)
-    collector = build.collector_for(task, t, ro, cfg.reward, tok, engine, m=m, device=device, seed=cfg.seed)
-    banner.start("rl", cfg, model=policy, **_facts(cfg, collector, run_dir, device))
-    sampler = StepSampler(len(collector), cfg.prompts_per_step, seed=cfg.seed)
+    collector = build.collector_for(task, t, ro, cfg.reward, tok, engine, m=m, device=run.device, seed=cfg.seed)
+    banner.start("rl", cfg, model=policy, **_facts(cfg, collector, run))
     # ---- optimizer: the schedule counts every planned update, ppo_epochs x mini_batches per step
-    optimizer, scheduler = build_training(policy, cfg.optim, cfg.max_steps * a.ppo_epochs * a.mini_batches)
-    start = resume_training(ckpt, policy, optimizer, scheduler, sampler)
+    tr = frame.trainable(run, policy, ckpt=ckpt, rows=len(collector), batch_size=cfg.prompts_per_step,
+                         total_steps=cfg.max_steps * a.ppo_epochs * a.mini_batches, weights_loaded=True)
     if ckpt is not None:
         tensors, _ = load_checkpoint(ckpt, restore_rng=False)
         engine.load_state_dict(tensors["engine"])
@@ -151,52 +134,53 @@ def _setup(cfg: Config, device, run_dir) -> tuple[_Run, Callable[[int], None]]:
             restore_optimizer(critic, critic_opt, tensors["critic_optimizer"])
     evaluator = None
     if cfg.eval.every and distributed.is_main():  # held-out accuracy through the engine (rank 0)
-        evaluator = PeriodicEval(
-            cfg.eval, tok, run_dir, task=t.name, chat=t.chat, system_prompt=t.system_prompt, format_weight=t.format_weight,
-            reward_fn=t.reward_fn, reward_workers=t.reward_workers, reward_timeout=t.reward_timeout,
-            max_prompt_length=t.max_prompt_length, max_new_tokens=ro.max_new_tokens, stop=ro.stop, seed=cfg.seed)
-    tracker = build.tracker_for(cfg.logging, run_dir, total_steps=cfg.max_steps, start_step=start, desc="rl",
-                                bar_keys=("reward/mean", "reward/score", "actor/kl", "response/length_mean", "perf/tokens_per_s"))
-    if start:
-        tracker.write(f"resumed from {ckpt} at step {start}")
+        evaluator = build.evaluator_for(cfg.eval, t, ro, tok, run.run_dir, seed=cfg.seed)
+    tracker = frame.tracker(run, tr, desc="rl", total_steps=cfg.max_steps,
+                            bar_keys=("reward/mean", "reward/score", "actor/kl", "response/length_mean", "perf/tokens_per_s"))
     kind = "packed" if pack else ("shared" if share else "padded")
     layout = Layout(kind, group_size=ro.n if share else 1, max_tokens=cfg.max_tokens_per_micro,
                     max_rows=cfg.micro_batch_size)
     loss_fn = ActorLoss(a.policy_loss, a.clip_low, a.clip_high, a.dual_clip, a.kl_coef if a.kl == "loss" else 0.0,
                         a.kl_estimator, a.entropy_coef, a.loss_agg, collector.max_response_tokens)
     options = AdvantageOptions(ro.n, a.scale_rewards, a.gamma, a.lam, a.whiten_advantages)
-    run = _Run(tok, policy, ref, critic, engine, collector, sampler, optimizer, scheduler, critic_opt, layout, loss_fn,
-               estimator, options, tracker, evaluator, start, cfg.vine.delimiter or task.step_delimiter or "")
+    r = _Run(tok, tr.model, ref, critic, engine, collector, tr.sampler, tr.optimizer, tr.scheduler, critic_opt, layout,
+             loss_fn, estimator, options, tracker, evaluator, tr.start, delimiter)
 
-    def save(step: int) -> None:
-        model_sd, optim_sd = gather_train_state(policy, optimizer)  # collectives under FSDP
-        tensors = {"optimizer": optim_sd, "scheduler": scheduler.state_dict(), "engine": engine.state_dict()}
-        extra = {}
+    def extra() -> tuple[dict, dict]:  # the engine's random stream, and the critic with its optimizer
+        tensors, models = {"engine": engine.state_dict()}, {}
         if critic is not None:
-            critic_sd, tensors["critic_optimizer"] = gather_train_state(critic, critic_opt)
-            extra["critic"] = (critic, critic_sd)
-        if distributed.is_main():
-            save_checkpoint(run_dir, step, model=policy, tokenizer=tok, state_dict=model_sd, tensors=tensors,
-                            extra_models=extra, state={"sampler": sampler.state_dict(), "recipe": "rl"},
-                            keep_last=cfg.checkpoint.keep_last)
-        distributed.barrier()
+            critic_sd, tensors["critic_optimizer"] = gather_train_state(critic, critic_opt)  # collectives under FSDP
+            models["critic"] = (critic, critic_sd)
+        return tensors, models
 
-    return run, save
+    return r, frame.saver(run, tr, tok, extra=extra)
 
 
-def _facts(cfg: Config, collector, run_dir, device) -> dict:
+def _critic(cfg: Config, ckpt, device) -> tuple[ValueModel, torch.optim.Optimizer]:
+    """The value model V(s_t) (resumed from ``ckpt/critic``), sharded, with its AdamW."""
+    m = cfg.model
+    critic = build.load_critic(cfg.critic.path or m.path, m, device, key="critic.path" if cfg.critic.path else "model.path")
+    if ckpt is not None:
+        load_model_weights(critic.lm, ckpt / "critic")
+        critic.load_head(ckpt / "critic")
+    critic = frame.shard(critic)
+    return critic, build_optimizer(critic, lr=cfg.critic.lr, weight_decay=cfg.optim.weight_decay,
+                                   betas=(cfg.optim.beta1, cfg.optim.beta2))
+
+
+def _facts(cfg: Config, collector, run: frame.Run) -> dict:
     """What the start banner and --dry-run say about the data and the length of the run."""
-    return dict(run_dir=run_dir, device=device,
+    return dict(run_dir=run.run_dir, device=run.device,
                 data=banner.data_line(len(collector) + collector.skipped_long, len(collector), unit="prompts"),
                 steps=f"{cfg.max_steps:,} x {cfg.prompts_per_step} prompts x {cfg.rollout.n} samples")
 
 
-def _dry_run(cfg: Config, task, tok, device, run_dir) -> None:
+def _dry_run(cfg: Config, task, tok, run: frame.Run) -> None:
     """--dry-run: the prompts as the run would read them (no engine: nothing is sampled), then DryRunDone."""
-    collector = build.collector_for(task, cfg.task, cfg.rollout, cfg.reward, tok, None, m=cfg.model, device=device,
+    collector = build.collector_for(task, cfg.task, cfg.rollout, cfg.reward, tok, None, m=cfg.model, device=run.device,
                                     seed=cfg.seed)
     try:
-        banner.dry_run("rl", cfg, **_facts(cfg, collector, run_dir, device))
+        banner.dry_run("rl", cfg, **_facts(cfg, collector, run))
     finally:
         collector.close()
 
@@ -205,78 +189,71 @@ def _dry_run(cfg: Config, task, tok, device, run_dir) -> None:
 
 
 def train(cfg: Config) -> RunResult:
-    t_start = time.perf_counter()
-    distributed.init()
-    _check(cfg)
-    device = resolve_device(cfg.device)
-    seed_everything(cfg.seed)
-    run_dir = open_run(cfg, "rl")  # a fresh directory unless resuming the same run (relign.rundir)
+    run = frame.open(cfg, "rl", check=_check)
     if distributed.is_main():
-        (run_dir / "rollouts").mkdir(exist_ok=True)
-    run, save = _setup(cfg, device, run_dir)
-    a, ro = cfg.algorithm, cfg.rollout
+        (run.run_dir / "rollouts").mkdir(exist_ok=True)
+    r, save = _setup(cfg, run)
+    a, ro, device, run_dir = cfg.algorithm, cfg.rollout, run.device, run.run_dir
     reuse = a.ppo_epochs * a.mini_batches > 1 or a.tis_cap > 0 or a.kl == "reward"  # old log-probs needed
     bad_in_a_row, skipped_steps, status, metrics = 0, 0, "completed", {}
     t_train = time.perf_counter()
     try:
-        for step in range(run.start + 1, cfg.max_steps + 1):
+        for step in range(r.start + 1, cfg.max_steps + 1):
             clock = StageClock(("rollout", "reward", "reference", "old_logps", "values", "update", "sync"), device)
             with clock("rollout"):  # 1. sample and score (the collector times the reward part)
-                groups = run.collector.collect(run.sampler, cfg.prompts_per_step, a.dynamic_sampling, a.max_sampling_rounds)
-            clock.seconds["reward"] = run.collector.last.get("reward_s", 0.0)
+                groups = r.collector.collect(r.sampler, cfg.prompts_per_step, a.dynamic_sampling, a.max_sampling_rounds)
+            clock.seconds["reward"] = r.collector.last.get("reward_s", 0.0)
             clock.seconds["rollout"] -= clock.seconds["reward"]
             if not groups:  # dynamic sampling kept nothing: no update, the schedule moves on
                 skipped_steps += 1
-                _skip_step(run, cfg, step, skipped_steps, clock)
+                _skip_step(r, cfg, step, skipped_steps, clock)
                 continue
-            run.engine.sleep()
-            batch = _batch(run, a, groups, device)
-            micro = plan(batch, torch.arange(batch.size, device=device), run.layout)
+            r.engine.sleep()
+            batch = _batch(r, a, groups, device)
+            micro = plan(batch, torch.arange(batch.size, device=device), r.layout)
             with clock("reference"):  # 2.
-                ref_logps = _reference_logps(run, batch, micro, ro.temperature) if a.kl != "none" else None
+                ref_logps = _reference_logps(r, batch, micro, ro.temperature) if a.kl != "none" else None
             with clock("old_logps"):  # 3.
-                old_logps = score_logps(run.policy, batch, micro, run.layout, temperature=ro.temperature) if reuse else None
+                old_logps = score_logps(r.policy, batch, micro, r.layout, temperature=ro.temperature) if reuse else None
             with clock("values"):  # 4. the critic's V(s_t), or VinePPO's Monte-Carlo step values
-                values, value_stats = _values(run, cfg, step, groups, batch, micro)
-            rewards = _rewards(run, a, groups, batch, old_logps, ref_logps)  # 5.
-            advantages, returns = run.estimator.fn(rewards, batch.response_mask, values, run.options)
+                values, value_stats = _values(r, cfg, step, groups, batch, micro)
+            rewards = _rewards(r, a, groups, batch, old_logps, ref_logps)  # 5.
+            advantages, returns = r.estimator.fn(rewards, batch.response_mask, values, r.options)
             with clock("update"):  # 6.
-                stats, skipped = _update(run, cfg, step, batch, advantages, returns, old_logps, ref_logps, values)
+                stats, skipped = _update(r, cfg, step, batch, advantages, returns, old_logps, ref_logps, values)
             bad_in_a_row = bad_in_a_row + skipped if skipped else 0
-            run.engine.wake()
+            r.engine.wake()
             with clock("sync"):  # 7. the HF engine in one process holds the policy's own tensors: nothing is copied
-                run.engine.load_weights(engine_weights(run.engine, run.policy))
-            metrics = {**_step_metrics(run, groups, batch, rewards, stats, old_logps, clock), **value_stats}
-            if run.evaluator is not None and run.evaluator.due(step, cfg.max_steps):  # held-out accuracy, updated policy
-                metrics.update(run.evaluator(run.policy, run.engine, step, write=run.tracker.write))
-            run.tracker.log(step, metrics)
+                r.engine.load_weights(engine_weights(r.engine, r.policy))
+            metrics = {**_step_metrics(r, groups, batch, rewards, stats, old_logps, clock), **value_stats}
+            if r.evaluator is not None and r.evaluator.due(step, cfg.max_steps):  # held-out accuracy, updated policy
+                metrics.update(r.evaluator(r.engine, step, write=r.tracker.write))
+            r.tracker.log(step, metrics)
             if cfg.traces_per_step and distributed.is_main():
-                write_traces(run_dir / "rollouts" / f"step_{step}.jsonl", run.tok, groups, batch, advantages, cfg.traces_per_step)
+                write_traces(run_dir / "rollouts" / f"step_{step}.jsonl", r.tok, groups, batch, advantages, cfg.traces_per_step)
             if bad_in_a_row >= cfg.nan_patience:
                 status = "stopped: non-finite updates"
-                run.tracker.write(f"{bad_in_a_row} non-finite updates in a row: saving the last good weights and stopping")
+                r.tracker.write(f"{bad_in_a_row} non-finite updates in a row: saving the last good weights and stopping")
                 save(step)
                 break
             if cfg.max_seconds and _out_of_time(t_train, cfg.max_seconds):
                 status = f"stopped: max_seconds={cfg.max_seconds:g} after step {step}"
-                run.tracker.write(f"{status}: saving a checkpoint")
+                r.tracker.write(f"{status}: saving a checkpoint")
                 save(step)
                 break
             if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
                 save(step)
         else:
-            save_final(run_dir, save, total_steps=cfg.max_steps, start_step=run.start, save_final=cfg.checkpoint.save_final)
+            save_final(run_dir, save, total_steps=cfg.max_steps, start_step=r.start, save_final=cfg.checkpoint.save_final)
     finally:
-        run.collector.close()
-        if run.evaluator is not None:
-            run.evaluator.close()
-        run.tracker.close()
-    history = read_metrics(run_dir) if distributed.is_main() else []
-    distributed.barrier()
-    run.engine.close()  # the last collective is behind us (a vLLM engine's shutdown ends the process group)
-    banner.end("rl", run_dir=run_dir, seconds=time.perf_counter() - t_start, metrics=metrics, status=status,
-               keys=("reward/mean", "reward/score", "eval/accuracy", "response/length_mean", "actor/kl"))
-    return RunResult(run_dir=run_dir, steps=cfg.max_steps, metrics={**metrics, "status": status}, history=history)
+        r.collector.close()
+        if r.evaluator is not None:
+            r.evaluator.close()
+        r.tracker.close()
+    # the engine closes after the last collective (a vLLM engine's shutdown ends the process group)
+    return frame.close(run, metrics=metrics, status=status, steps=cfg.max_steps, after=r.engine.close,
+                       keys=("reward/mean", "reward/score", "eval/accuracy", "response/length_mean", "actor/kl"),
+                       result={**metrics, "status": status})
 
 
 # --------------------------------------------------------------------------- the stages
@@ -330,8 +307,8 @@ def _rewards(run: _Run, a: AlgorithmConfig, groups, batch, old_logps, ref_logps)
     def term_weight(k: str) -> float:
         return a.gdpo_weights.get(k, run.collector.term_weight(k))
 
-    if a.advantage == "gdpo":
-        check_terms(groups, term_weight)
+    if run.estimator.check_groups is not None:
+        run.estimator.check_groups(groups, term_weight)
     kl_tok = kl_estimate(old_logps, ref_logps, a.kl_estimator) if a.kl == "reward" else None
     return shaped_rewards(groups, batch, term_weight=term_weight, overlong=a.overlong,
                           max_len=run.collector.max_response_tokens, overlong_cache=a.overlong_cache,

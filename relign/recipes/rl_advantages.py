@@ -5,13 +5,14 @@ group estimators compare, the per-token rewards of the token-level ones, GDPO's 
 with their weights, DAPO's overlong penalty and the KL when it is in the reward. Every
 estimator then has one signature, ``fn(rewards, mask, values, options) -> (advantages,
 returns)``, and ``ESTIMATORS`` maps the config's name to it, with what it needs (a critic's
-values, G >= 2 samples): the recipe branches on the estimator in no other place.
+values, G >= 2 samples) and the checks of its own: the recipe never tests an estimator's name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,6 +20,7 @@ from ..algorithms import advantages as adv_fns
 from ..algorithms import shaping
 from ..config import ConfigError
 from ..rollout.batch import RolloutBatch
+
 
 @dataclass
 class Rewards:
@@ -56,6 +58,12 @@ class Estimator:
     "monte_carlo" (VinePPO: K continuations from every step boundary, ``rollout.vine``)."""
     compares_samples: bool = False
     """It compares the G samples of a prompt (needs rollout.n >= 2)."""
+    check: Callable[[Any], None] | None = None
+    """Its own settings' checks, ``check(cfg)`` before anything is loaded (VinePPO's vine.*)."""
+    check_task: Callable[[str, str, str], None] | None = None
+    """``check_task(task name, multi-turn env, step delimiter)`` once the task is built (VinePPO: single-turn, steps)."""
+    check_groups: Callable[[Any, Callable[[str], float]], None] | None = None
+    """``check_groups(groups, term_weight)`` on every step's scored episodes (GDPO: the terms add up to the reward)."""
 
 
 def _group(baseline: str) -> Callable:
@@ -97,14 +105,41 @@ def _vine(r: Rewards, mask, values, o: AdvantageOptions):
     return adv_fns.masked_whiten(a, mask) * mask, None
 
 
+def check_terms(groups, term_weight: Callable[[str], float]) -> None:
+    """GDPO normalizes the reward's terms one by one, so they must add up to the reward."""
+    for i, e in enumerate(e for g in groups for e in g.episodes):
+        total = sum(term_weight(k) * v for k, v in e.terms.items())
+        if e.reward_error is None and abs(total - e.reward) > 1e-5 * max(1.0, abs(e.reward)):
+            raise ConfigError(
+                f"algorithm.advantage=gdpo: completion {i}'s reward {e.reward:g} is not the weighted sum of its terms "
+                f"{e.terms} (= {total:g}); return components that add up to the reward, or set algorithm.gdpo_weights")
+
+
+def _check_vine(cfg) -> None:
+    v = cfg.vine
+    if v.k < 1 or (v.max_steps is not None and v.max_steps < 0):
+        raise ConfigError("vine.k must be >= 1 and vine.max_steps >= 0 (or null)")
+    if cfg.reward.model:
+        raise ConfigError("algorithm.advantage=vine scores its Monte-Carlo continuations with the task's rule reward; "
+                          "it cannot be combined with reward.model yet")
+
+
+def _check_vine_task(task: str, env: str, delimiter: str) -> None:
+    if env:
+        raise ConfigError("algorithm.advantage=vine estimates values of single-turn responses, not of multi-turn episodes")
+    if not delimiter:
+        raise ConfigError(f"algorithm.advantage=vine splits responses into steps, and task '{task}' has no step "
+                          "delimiter: set vine.delimiter (e.g. vine.delimiter='\\n')")
+
+
 ESTIMATORS: dict[str, Estimator] = {
     "grpo": Estimator(_group("mean"), compares_samples=True),
     "rloo": Estimator(_group("leave_one_out"), compares_samples=True),
-    "gdpo": Estimator(_gdpo, compares_samples=True),
+    "gdpo": Estimator(_gdpo, compares_samples=True, check_groups=check_terms),
     "reinforce_pp": Estimator(_reinforce_pp("none")),
     "reinforce_pp_baseline": Estimator(_reinforce_pp("group_mean"), compares_samples=True),
     "gae": Estimator(_gae, values="critic"),
-    "vine": Estimator(_vine, values="monte_carlo"),
+    "vine": Estimator(_vine, values="monte_carlo", check=_check_vine, check_task=_check_vine_task),
 }
 
 
@@ -143,13 +178,3 @@ def shaped_rewards(groups, batch: RolloutBatch, *, term_weight: Callable[[str], 
         cols = [c + [k] for c, k in zip(cols, kl_seq.tolist())]
     return Rewards(seq=seq, token=token, terms=torch.tensor(cols, dtype=torch.float32, device=dev).reshape(len(eps), -1),
                    term_weights=torch.tensor(weights, dtype=torch.float32, device=dev), penalties=penalties, outcome=outcome)
-
-
-def check_terms(groups, term_weight: Callable[[str], float]) -> None:
-    """GDPO normalizes the reward's terms one by one, so they must add up to the reward."""
-    for i, e in enumerate(e for g in groups for e in g.episodes):
-        total = sum(term_weight(k) * v for k, v in e.terms.items())
-        if e.reward_error is None and abs(total - e.reward) > 1e-5 * max(1.0, abs(e.reward)):
-            raise ConfigError(
-                f"algorithm.advantage=gdpo: completion {i}'s reward {e.reward:g} is not the weighted sum of its terms "
-                f"{e.terms} (= {total:g}); return components that add up to the reward, or set algorithm.gdpo_weights")

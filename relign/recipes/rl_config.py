@@ -1,7 +1,8 @@
 """The configuration of ``relign rl`` and the checks that run before anything is loaded.
 
-One dataclass per part (rollout, task, algorithm, learned reward, VinePPO, TRPO, critic) and
-``Config`` that holds them; every field has its one-line doc (``relign rl --help``). ``check``
+One dataclass per part (rollout, algorithm, learned reward, VinePPO, TRPO, critic, eval during
+training; the task is ``relign.config.TaskConfig``, shared with eval and rest) and ``Config``
+that holds them with the fields every training run has (``TrainFields``); every field has its one-line doc (``relign rl --help``). ``check``
 refuses settings that cannot work, with a message that names the key.
 """
 
@@ -13,11 +14,10 @@ from dataclasses import dataclass, field
 from .. import distributed
 from ..algorithms.aggregation import MODES
 from ..config import (
-    CheckpointConfig,
     ConfigError,
-    LoggingConfig,
-    ModelConfig,
     OptimConfig,
+    TaskConfig,
+    TrainFields,
     VllmConfig,
     check_choice,
     check_common,
@@ -26,8 +26,10 @@ from ..config import (
     check_non_negative,
     check_positive,
 )
-from ..evaluate import EvalDuringTrainingConfig
+from ..rollout.engine import ENGINES
+from ..rollout.vllm_engine import check_vllm
 from .rl_advantages import ESTIMATORS
+from .rl_update import POLICY_LOSSES
 
 
 @dataclass
@@ -61,37 +63,6 @@ class RolloutConfig:
     """HF engine: decode Llama/Qwen2/Qwen3 models with relign's own one-token step (matmul attention over the preallocated cache, no per-token mask rebuild); false = the model's forward."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """Settings of the vLLM engine (rollout.engine=vllm)."""
-
-
-@dataclass
-class TaskConfig:
-    name: str = "gsm8k"
-    """Built-in task (gsm8k, math, countdown, calculator) or 'custom' with data path + reward_fn."""
-    path: str = ""
-    """Training prompts: a file, dataset folder or hub id (empty: the task's default source)."""
-    split: str = ""
-    """Split to read (empty: the task's default)."""
-    max_rows: int = 0
-    """Read at most this many prompts (0 = all)."""
-    chat: bool = True
-    """Wrap prompts in the tokenizer's chat template."""
-    system_prompt: str = ""
-    """System message for chat prompts."""
-    max_prompt_length: int = 512
-    """Prompts longer than this (in tokens) are skipped and counted."""
-    format_weight: float = 0.0
-    """Weight of the task's format reward added to correctness."""
-    reward_fn: str = ""
-    """Custom reward function 'path/to/file.py:function' (replaces the task's own)."""
-    reward_style: str = "auto"
-    """How reward_fn is called: auto (from its signature), sample (fn(prompt, response, extra_info))
-    or batch (TRL's fn(prompts, completions, **columns) -> list of floats)."""
-    reward_timeout: float = 10.0
-    """Seconds per reward call; a call that raises or runs longer scores 0 and is counted."""
-    reward_workers: int = 2
-    """Reward worker processes (0 = in-process, no timeout enforcement)."""
-    env: str = ""
-    """Multi-turn environment class 'module:Class' or 'file.py:Class' (empty = the task's own, if any)."""
 
 
 @dataclass
@@ -206,8 +177,31 @@ class CriticConfig:
 
 
 @dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+class EvalDuringTrainingConfig:
+    every: int = 0
+    """Evaluate the policy every N steps and at the last step (0 = off); logged as eval/accuracy, eval/pass@k, ..."""
+    path: str = ""
+    """Eval problems: a file, dataset folder or hub id (empty: the task's shipped test set; custom tasks must set it)."""
+    split: str = ""
+    """Split to read (empty: the task's default)."""
+    max_rows: int = 64
+    """Evaluate on the first N problems (0 = all)."""
+    n: int = 1
+    """Samples per problem."""
+    ks: list[int] = field(default_factory=list)
+    """k values of pass@k and maj@k (empty: 1 and n)."""
+    temperature: float = 0.0
+    """Sampling temperature (0 = greedy, needs n = 1)."""
+    max_new_tokens: int = 0
+    """Longest completion (0 = rollout.max_new_tokens)."""
+    batch_prompts: int = 32
+    """Problems sampled together."""
+    samples: bool = True
+    """Write every sample to eval/step_N.jsonl in the run directory."""
+
+
+@dataclass
+class Config(TrainFields):
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -218,17 +212,7 @@ class Config:
     trpo: TrpoConfig = field(default_factory=TrpoConfig)
     reward: LearnedRewardConfig = field(default_factory=LearnedRewardConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, schedule="constant"))
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalDuringTrainingConfig = field(default_factory=EvalDuringTrainingConfig)
-    run_dir: str = ""
-    """Where config.yaml, metrics.jsonl, rollouts/ and checkpoints/ go (empty: runs/rl-<time>)."""
-    resume: str = "none"
-    """'auto' continues from the newest complete checkpoint in run_dir; or a checkpoint path."""
-    seed: int = 0
-    """Seed for data order, sampling and initialisation."""
-    device: str = "auto"
-    """cpu, cuda, cuda:N or auto."""
     max_steps: int = 100
     """Rollout + update steps."""
     max_seconds: float = 0.0
@@ -273,28 +257,25 @@ def check_counts(cfg: Config) -> None:
                           f"rollout.max_new_tokens={ro.max_new_tokens}")
 
 
-def check_vllm(cfg, section: str, *, top_p: float = 1.0, top_k: int = 0) -> None:
-    """``engine=vllm`` in ``section`` (rollout, or '' for eval): vLLM importable (else one line
-    with the install command) and the settings under ``vllm`` sane."""
-    from ..config import get_key
-    from ..rollout.vllm_engine import import_vllm
-
-    pre = f"{section}." if section else ""
-    v: VllmConfig = get_key(cfg, f"{pre}vllm")
-    check_positive(cfg, f"{pre}vllm.tensor_parallel_size")
-    check_non_negative(cfg, f"{pre}vllm.kv_cache_gb", f"{pre}vllm.max_model_len")
-    if not 0 < v.gpu_memory_utilization <= 1:
-        raise ConfigError(f"bad value for '{pre}vllm.gpu_memory_utilization': {v.gpu_memory_utilization}; it must lie in (0, 1]")
-    import_vllm(f"{pre}engine")
-    if top_p < 1 or top_k > 0:
-        warnings.warn(f"{pre}engine=vllm with top_p={top_p}, top_k={top_k}: vLLM reports log-probs renormalised over the "
-                      "kept tokens, the trainer recomputes them over the whole vocabulary (actor/logp_mismatch shows the gap)",
-                      stacklevel=2)
+def check_eval_during_training(cfg: EvalDuringTrainingConfig, *, task: str = "", env: str = "") -> None:
+    """ConfigError for ``eval.*`` settings that cannot work, before any model is loaded."""
+    if not cfg.every:
+        return
+    if env:
+        raise ConfigError(f"eval.every works with single-turn tasks, not with a multi-turn environment ({env})")
+    if task == "custom" and not cfg.path:
+        raise ConfigError("eval.every with task.name=custom: set eval.path to held-out problems (it may be the training file)")
+    if cfg.every < 0 or cfg.n < 1 or cfg.batch_prompts < 1:
+        raise ConfigError("eval.every must be >= 0, eval.n and eval.batch_prompts >= 1")
+    if cfg.temperature <= 0 and cfg.n > 1:
+        raise ConfigError(f"eval.temperature={cfg.temperature} is greedy: all eval.n={cfg.n} samples would be the same; "
+                          "set eval.temperature > 0 or eval.n=1")
+    bad = [k for k in cfg.ks if not 1 <= k <= cfg.n]
+    if bad:
+        raise ConfigError(f"eval.ks={list(cfg.ks)}: every k must lie in [1, eval.n={cfg.n}]")
 
 
 def check(cfg: Config) -> None:
-    from .build import ENGINES
-
     check_counts(cfg)
     check_common(cfg)
     a, ro = cfg.algorithm, cfg.rollout
@@ -303,7 +284,7 @@ def check(cfg: Config) -> None:
         check_vllm(cfg, "rollout", top_p=ro.top_p, top_k=ro.top_k)
     check_choice("algorithm.advantage", a.advantage, tuple(ESTIMATORS))
     check_choice("algorithm.scale_rewards", a.scale_rewards, ("std", "none"))
-    check_choice("algorithm.policy_loss", a.policy_loss, ("ppo_clip", "gspo"))
+    check_choice("algorithm.policy_loss", a.policy_loss, tuple(POLICY_LOSSES))
     check_choice("algorithm.loss_agg", a.loss_agg, MODES)
     check_choice("algorithm.kl", a.kl, ("none", "loss", "reward"))
     check_choice("algorithm.kl_estimator", a.kl_estimator, ("k1", "k2", "k3"))
@@ -317,10 +298,12 @@ def check(cfg: Config) -> None:
     if ro.temperature <= 0:
         raise ConfigError(f"rollout.temperature={ro.temperature}: RL needs sampling (temperature > 0); greedy decoding "
                           "gives G identical samples, and log-probs at temperature 0 are not defined")
-    if a.policy_loss == "gspo" and a.loss_agg != "seq-mean-token-mean":
-        raise ConfigError(f"algorithm.policy_loss=gspo needs algorithm.loss_agg=seq-mean-token-mean (got {a.loss_agg}): "
-                          "GSPO's objective is the mean over sequences of the sequence-level clipped term")
-    if ESTIMATORS[a.advantage].compares_samples and ro.n < 2:
+    loss = POLICY_LOSSES[a.policy_loss]
+    if loss.agg and a.loss_agg != loss.agg:
+        raise ConfigError(f"algorithm.policy_loss={a.policy_loss} needs algorithm.loss_agg={loss.agg} (got {a.loss_agg}): "
+                          f"{loss.why}")
+    estimator = ESTIMATORS[a.advantage]
+    if estimator.compares_samples and ro.n < 2:
         raise ConfigError(f"algorithm.advantage={a.advantage} compares samples of a prompt: set rollout.n >= 2")
     budget = ro.max_response_tokens or ro.max_new_tokens * ro.max_turns
     if a.overlong == "penalty" and not 0 <= a.overlong_cache <= budget:
@@ -328,13 +311,8 @@ def check(cfg: Config) -> None:
     if a.mini_batches > cfg.prompts_per_step:
         raise ConfigError(f"algorithm.mini_batches={a.mini_batches} > prompts_per_step={cfg.prompts_per_step}: mini-batches "
                           "are made of whole groups (a group's samples are never split)")
-    if a.advantage == "vine":
-        v = cfg.vine
-        if v.k < 1 or (v.max_steps is not None and v.max_steps < 0):
-            raise ConfigError("vine.k must be >= 1 and vine.max_steps >= 0 (or null)")
-        if cfg.reward.model:
-            raise ConfigError("algorithm.advantage=vine scores its Monte-Carlo continuations with the task's rule reward; "
-                              "it cannot be combined with reward.model yet")
+    if estimator.check is not None:
+        estimator.check(cfg)
     check_choice("update", cfg.update, ("ppo", "trpo"))
     if cfg.update == "trpo":
         check_trpo(cfg)

@@ -33,6 +33,7 @@ the full mini-batch, whatever the micro-batching, packing or number of ranks.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -125,7 +126,6 @@ def plan(batch: RolloutBatch, rows: torch.Tensor, layout: Layout) -> list[MicroB
     out = [MicroBatch(items[part].flatten()) if part else MicroBatch(items[smallest], weight=0.0) for part in mine]
     if G > 1 and layout.max_rows and G > layout.max_rows:
         # one group per micro-batch (max_items = 1) is more rows than the budget: split it in k
-        # parts of at most max_rows (the same k on every rank: every rank runs the same passes)
         # parts of at most max_rows (the same k on every rank: every rank runs the same passes);
         # a packed part runs the prompt again, a shared one reuses it (GroupPrefix)
         k = math.ceil(G / layout.max_rows)
@@ -227,6 +227,36 @@ def score_values(critic, batch: RolloutBatch, micro: list[MicroBatch], layout: L
 # --------------------------------------------------------------------------- the losses
 
 
+def _gspo(logps, old_logps, advantages, mask, *, clip_low, clip_high, dual_clip):
+    """GSPO uses one advantage per sequence: the (constant) per-token advantage of the row."""
+    seq_a = (advantages * mask).sum(-1) / mask.sum(-1).clamp_min(1)
+    return gspo_loss(logps, old_logps, seq_a, mask, clip_low=clip_low, clip_high=clip_high)
+
+
+def _ppo_clip(logps, old_logps, advantages, mask, *, clip_low, clip_high, dual_clip):
+    return ppo_clip_loss(logps, old_logps, advantages, clip_low=clip_low, clip_high=clip_high,
+                         dual_clip=dual_clip if dual_clip > 0 else None)
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A policy surrogate: ``fn(logps, old_logps, advantages, mask, *, clip_low, clip_high, dual_clip) ->
+    (loss [n, L], info)`` (``relign.algorithms.policy_losses``), and the reduction it needs, if any."""
+
+    fn: Callable
+    agg: str = ""
+    """The ``algorithm.loss_agg`` its objective is defined with ("" = any)."""
+    why: str = ""
+    """Why it needs that reduction (the config error says it)."""
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "ppo_clip": PolicyLoss(_ppo_clip),
+    "gspo": PolicyLoss(_gspo, agg="seq-mean-token-mean",
+                       why="GSPO's objective is the mean over sequences of the sequence-level clipped term"),
+}
+
+
 @dataclass(frozen=True)
 class ActorLoss:
     """The per-token actor loss: policy surrogate (times the TIS weight), + beta * KL when the KL
@@ -246,13 +276,8 @@ class ActorLoss:
 
     def __call__(self, logps, old_logps, advantages, mask, *, ref_logps=None, entropy=None, tis=None):
         """logps, old_logps, advantages, mask, ref_logps, entropy, tis: [n, L]. Returns (loss [n, L], info)."""
-        if self.policy_loss == "gspo":
-            # GSPO uses one advantage per sequence: the (constant) per-token advantage of the row
-            seq_a = (advantages * mask).sum(-1) / mask.sum(-1).clamp_min(1)
-            loss, info = gspo_loss(logps, old_logps, seq_a, mask, clip_low=self.clip_low, clip_high=self.clip_high)
-        else:
-            loss, info = ppo_clip_loss(logps, old_logps, advantages, clip_low=self.clip_low, clip_high=self.clip_high,
-                                       dual_clip=self.dual_clip if self.dual_clip > 0 else None)
+        loss, info = POLICY_LOSSES[self.policy_loss].fn(logps, old_logps, advantages, mask, clip_low=self.clip_low,
+                                                         clip_high=self.clip_high, dual_clip=self.dual_clip)
         if tis is not None:
             loss = loss * tis
         if ref_logps is not None:

@@ -14,7 +14,6 @@ number of ranks do not change the result.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -22,21 +21,10 @@ import torch
 
 from .. import banner, distributed
 from ..algorithms.aggregation import MODES, aggregate, aggregate_count
-from ..checkpoint import (
-    gather_train_state,
-    load_model_weights,
-    resolve_resume,
-    resume_training,
-    save_checkpoint,
-    save_final,
-    seed_everything,
-)
 from ..config import (
-    CheckpointConfig,
+    BatchFields,
     ConfigError,
     DataConfig,
-    LoggingConfig,
-    ModelConfig,
     OptimConfig,
     check_choice,
     check_common,
@@ -46,51 +34,25 @@ from ..config import (
     check_positive,
     check_rows,
 )
-from ..data.collate import StepSampler, chunks, pack_collate, pad_collate, shard, to_device
+from ..data.collate import chunks, pack_collate, pad_collate, shard, to_device
 from ..data.sft import TRUNCATION, SFTExample, build_sft_examples
 from ..data.stats import announce
-from ..models.loading import apply_lora, load_causal_lm, load_model_tokenizer, resolve_device, trainable_parameters
+from ..models.loading import load_model_tokenizer
 from ..models.logprobs import token_logps
 from ..models.varlen import packed_attention
-from ..optim import build_training, clip_gradients
-from ..rundir import open_run
-from ..tracking import Tracker, read_metrics
-from . import RunResult
+from . import RunResult, build, frame
 
 
 @dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+class Config(BatchFields):
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5, warmup_ratio=0.03))
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    run_dir: str = ""
-    """Where config.yaml, metrics.jsonl and checkpoints/ go (empty: runs/sft-<time>)."""
-    resume: str = "none"
-    """'auto' continues from the newest complete checkpoint in run_dir; or a checkpoint path; 'none' starts fresh."""
-    seed: int = 0
-    """Seed for initialisation, data order and sampling."""
-    device: str = "auto"
-    """cpu, cuda, cuda:N or auto."""
-    max_steps: int = 0
-    """Optimizer steps to run (0 = epochs x steps per epoch)."""
-    epochs: float = 1.0
-    """Passes over the training data when max_steps is 0."""
-    batch_size: int = 16
-    """Examples per optimizer step, summed over all ranks."""
-    micro_batch_size: int = 4
-    """Examples per forward/backward pass on one rank; gradient accumulation covers the rest."""
     loss_agg: str = "token-mean"
     """Loss reduction: token-mean or seq-mean-token-mean, normalized over the whole step's batch."""
     packing: bool = True
     """Pack each micro-batch into one padding-free row with per-example position ids; attention runs example by
     example (flash-attention's varlen kernel, or SDPA per example: relign.models.varlen). false: length-sorted padded
     micro-batches."""
-    eval_every: int = 0
-    """Compute the held-out loss every N steps (0 = only at the end, when there is eval data)."""
-    eval_batch_size: int = 16
-    """Examples per eval forward pass."""
 
 
 def _check(cfg: Config) -> None:
@@ -196,108 +158,41 @@ def evaluate_loss(model, examples: list[SFTExample], *, batch_size: int, pad_id:
 
 def train(cfg: Config, *, desc: str = "sft") -> RunResult:
     """``desc`` labels the progress bars (the verifier recipe trains through this loop)."""
-    t_start = time.perf_counter()
-    distributed.init()
-    _check(cfg)
-    device = resolve_device(cfg.device)
-    rank, world = distributed.rank(), distributed.world_size()
-    seed_everything(cfg.seed)
-    run_dir = open_run(cfg, "sft")  # a fresh directory unless resuming the same run (relign.rundir)
-
-    # ---- data and model
-    m = cfg.model
+    run = frame.open(cfg, "sft", check=_check)
+    m, o = cfg.model, cfg.optim
     tok = load_model_tokenizer(m)
     train_set, eval_set, data_metrics = _load_data(cfg, tok)
     check_rows(len(train_set), cfg.batch_size, what=f"data.path={cfg.data.path}")
-    steps_per_epoch = len(train_set) // cfg.batch_size  # StepSampler drops an epoch's short tail
-    total_steps = cfg.max_steps or max(1, int(math.ceil(cfg.epochs * steps_per_epoch)))
-    run_facts = dict(  # for the start banner and --dry-run
-        run_dir=run_dir, device=device,
-        data=banner.data_line(int(data_metrics["data/rows"] + data_metrics.get("data/eval_rows", 0)), len(train_set),
-                              len(eval_set)),
-        steps=banner.steps_line(total_steps, max_steps=cfg.max_steps, epochs=cfg.epochs, steps_per_epoch=steps_per_epoch,
-                                batch=f"{cfg.batch_size} examples"),
-    )
-    banner.dry_run("sft", cfg, **run_facts)  # --dry-run stops here, before any weights are read
-    model = load_causal_lm(
-        m.path, dtype=m.dtype, attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code,
-        gradient_checkpointing=m.gradient_checkpointing, lean_activations=m.lean_activations, device=device,
-    )
+    total_steps, per_epoch = frame.schedule(cfg, len(train_set))
+    facts = frame.offline_facts(run, total_steps, per_epoch, read=int(data_metrics["data/rows"] + data_metrics.get(
+        "data/eval_rows", 0)), train=len(train_set), eval_rows=len(eval_set), unit="examples")
+    banner.dry_run("sft", cfg, **facts)  # --dry-run stops here, before any weights are read
+    model = build.load_policy(m, run.device)
     if cfg.packing:
         packed_attention(model, m.attn_implementation)
-    if m.lora.enabled:
-        model = apply_lora(model, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout, target_modules=m.lora.target_modules)
-    ckpt = resolve_resume(cfg.resume, run_dir)
-    if ckpt is not None:
-        load_model_weights(model, ckpt)  # before sharding, so every rank starts from the same full weights
-    banner.start("sft", cfg, model=model, **run_facts)  # parameters counted before FSDP shards them
-    model = distributed.wrap_fsdp(model)
-
-    sampler = StepSampler(len(train_set), cfg.batch_size, seed=cfg.seed)
-    o = cfg.optim
-    optimizer, scheduler = build_training(model, o, total_steps)
-    start_step = resume_training(ckpt, model, optimizer, scheduler, sampler)
-
-    def save(step: int) -> None:
-        model_sd, optim_sd = gather_train_state(model, optimizer)  # collective under FSDP
-        if distributed.is_main():
-            save_checkpoint(
-                run_dir, step, model=model, tokenizer=tok, state_dict=model_sd,
-                tensors={"optimizer": optim_sd, "scheduler": scheduler.state_dict()},
-                state={"sampler": sampler.state_dict(), "recipe": "sft"}, keep_last=cfg.checkpoint.keep_last,
-            )
-        distributed.barrier()
-
-    lg = cfg.logging
-    tracker = Tracker(
-        run_dir, total_steps=total_steps, start_step=start_step, desc=desc,
-        bar_keys=("train/loss", "train/lr", "perf/tokens_per_s", "eval/loss"), progress=lg.progress,
-        tensorboard=lg.tensorboard, wandb=lg.wandb, wandb_project=lg.wandb_project, run_name=lg.run_name,
-    )
-    if start_step == 0:
-        tracker.log(0, data_metrics, advance=False)
-    else:
-        tracker.write(f"resumed from {ckpt} at step {start_step}")
-
-    params = trainable_parameters(model)
-    pad_id = tok.pad_token_id
+    banner.start("sft", cfg, model=model, **facts)  # parameters counted before FSDP shards them
+    t = frame.trainable(run, model, ckpt=frame.checkpoint_to_resume(run), rows=len(train_set), batch_size=cfg.batch_size,
+                        total_steps=total_steps)
+    save = frame.saver(run, t, tok)
+    tracker = frame.tracker(run, t, desc=desc, bar_keys=("train/loss", "train/lr", "perf/tokens_per_s", "eval/loss"),
+                            first=data_metrics)
     metrics: dict[str, float] = {}
-    for step in range(start_step + 1, total_steps + 1):
+    for step in frame.steps(t):
         t0 = time.perf_counter()
         # ---- this rank's share of the step's global batch, cut into micro-batches
-        mine = [train_set[i] for i in shard(sampler.next(), rank, world)]
-        loss_sum = accumulate_gradients(
-            model, mine, micro_batch_size=cfg.micro_batch_size, packing=cfg.packing, loss_agg=cfg.loss_agg,
-            pad_id=pad_id, device=device,
-        )
-        grad_norm = clip_gradients(params, o.max_grad_norm)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-
-        tokens = distributed.all_reduce_sum(torch.tensor(float(sum(len(e) for e in mine)), device=device))
+        mine = [train_set[i] for i in shard(t.sampler.next(), run.rank, run.world)]
+        loss_sum = accumulate_gradients(t.model, mine, micro_batch_size=cfg.micro_batch_size, packing=cfg.packing,
+                                        loss_agg=cfg.loss_agg, pad_id=tok.pad_token_id, device=run.device)
+        metrics = {"train/loss": distributed.all_reduce_sum(loss_sum).item(), **frame.optimizer_step(t, o.max_grad_norm)}
+        tokens = distributed.all_reduce_sum(torch.tensor(float(sum(len(e) for e in mine)), device=run.device)).item()
         seconds = time.perf_counter() - t0
-        metrics = {
-            "train/loss": distributed.all_reduce_sum(loss_sum).item(),
-            "train/grad_norm": grad_norm,
-            "train/lr": lr,
-            "train/epoch": sampler.epoch + sampler.position / max(1, sampler.n),
-            "perf/tokens": tokens.item(),
-            "perf/tokens_per_s": tokens.item() / max(seconds, 1e-9),
-            "perf/step_seconds": seconds,
-        }
-        if eval_set and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps):
-            metrics["eval/loss"] = evaluate_loss(model, eval_set, batch_size=cfg.eval_batch_size, pad_id=pad_id, device=device,
-                                                 progress=lg.progress, desc=desc)
-        tracker.log(step, metrics)
-        if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
-            save(step)
-
-    last = save_final(run_dir, save, total_steps=total_steps, start_step=start_step, save_final=cfg.checkpoint.save_final)
+        metrics.update({"train/epoch": frame.epoch(t), "perf/tokens": tokens, "perf/tokens_per_s": tokens / max(seconds, 1e-9),
+                        "perf/step_seconds": seconds})
+        if eval_set and frame.eval_due(step, cfg.eval_every, total_steps):
+            metrics["eval/loss"] = evaluate_loss(t.model, eval_set, batch_size=cfg.eval_batch_size, pad_id=tok.pad_token_id,
+                                                 device=run.device, progress=cfg.logging.progress, desc=desc)
+        frame.log(run, tracker, save, step, metrics)
+    last = frame.save_last(run, t, save)
     tracker.close()
-    history = read_metrics(run_dir) if distributed.is_main() else []
-    distributed.barrier()
-    banner.end("sft", run_dir=run_dir, seconds=time.perf_counter() - t_start, metrics=metrics,
-               keys=("train/loss", "eval/loss", "train/epoch"), checkpoint=last)
-    return RunResult(run_dir=run_dir, steps=total_steps, metrics=metrics, checkpoint=last, history=history)
+    return frame.close(run, metrics=metrics, keys=("train/loss", "eval/loss", "train/epoch"), steps=total_steps,
+                       checkpoint=last)

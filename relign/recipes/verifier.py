@@ -17,19 +17,16 @@ A trained verifier is used as a learned reward by ``relign rl reward.model=RUN/c
 from __future__ import annotations
 
 import json
-import math
 import random
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import banner, rundir
 from ..config import (
-    CheckpointConfig,
     ConfigError,
-    LoggingConfig,
-    ModelConfig,
     OptimConfig,
+    StepFields,
     check_common,
     check_divides,
     check_fraction,
@@ -38,11 +35,8 @@ from ..config import (
     check_positive,
 )
 from ..data.readers import DataError, read_records
-from .. import banner
-from ..models.loading import resolve_device
-from ..models.reward import NO, VERIFIER_TEMPLATE, YES, verifier_messages
-from ..rundir import open_run
-from . import RunResult
+from ..models.reward import NO, VERIFIER_TEMPLATE, YES, VerifierScorer, verifier_messages
+from . import RunResult, frame, sft
 
 PROBLEM_KEYS = ("problem", "question", "prompt")  # RL traces: problem; eval samples: question
 RESPONSE_KEYS = ("response", "solution", "completion")
@@ -68,28 +62,9 @@ class VerifierDataConfig:
 
 
 @dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+class Config(StepFields):
     data: VerifierDataConfig = field(default_factory=VerifierDataConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, warmup_ratio=0.03))
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    run_dir: str = ""
-    """Where verifier_data.jsonl, metrics, checkpoints and verifier_eval.json go (empty: runs/verifier-<time>)."""
-    resume: str = "none"
-    """'auto' continues from the newest complete checkpoint in run_dir; or a checkpoint path."""
-    seed: int = 0
-    """Seed for balancing, the held-out split, initialisation and data order."""
-    device: str = "auto"
-    """cpu, cuda, cuda:N or auto."""
-    max_steps: int = 0
-    """Optimizer steps (0 = epochs x steps per epoch)."""
-    epochs: float = 1.0
-    """Passes over the verifier data when max_steps is 0."""
-    batch_size: int = 16
-    """Examples per optimizer step."""
-    micro_batch_size: int = 4
-    """Examples per forward/backward pass."""
 
 
 def _first(row: dict, keys: tuple[str, ...], types: tuple[type, ...] = (str,)) -> tuple[str | None, Any]:
@@ -197,13 +172,9 @@ def _check(cfg: Config) -> None:
 
 
 def train(cfg: Config) -> RunResult:
-    from . import sft
-
-    t_start = time.perf_counter()
-    _check(cfg)
-    d = cfg.data
     # verifier.yaml: config.yaml is the SFT stage's, written by sft.train into the same directory
-    run_dir = open_run(cfg, "verifier", config_name="verifier.yaml")
+    run = frame.open(cfg, "verifier", check=_check, config_name="verifier.yaml")
+    d, run_dir = cfg.data, run.run_dir
 
     # ---- 1. data: graded samples -> Yes/No rows, split by problem (no problem on both sides)
     samples = graded_samples(list(d.rollouts) + ([d.path] if d.path else []))
@@ -220,10 +191,9 @@ def train(cfg: Config) -> RunResult:
     _write_jsonl(run_dir / "verifier_data.jsonl", train_rows)
     if eval_rows:
         _write_jsonl(run_dir / "verifier_eval_data.jsonl", eval_rows)
-    per_epoch = len(train_rows) // cfg.batch_size  # before SFT drops rows over data.max_length
-    total = cfg.max_steps or max(1, int(math.ceil(cfg.epochs * per_epoch)))
+    total, per_epoch = frame.schedule(cfg, len(train_rows))  # before SFT drops rows over data.max_length
     # the parameters are counted from the model's config (the SFT stage loads the weights)
-    banner.start("verifier", cfg, run_dir=run_dir, device=resolve_device(cfg.device),
+    banner.start("verifier", cfg, run_dir=run_dir, device=run.device,
                  data=banner.data_line(len(samples), len(train_rows), len(eval_rows), unit="graded samples",
                                        made="verifier rows"),
                  steps=banner.steps_line(total, max_steps=cfg.max_steps, epochs=cfg.epochs, steps_per_epoch=per_epoch,
@@ -239,24 +209,20 @@ def train(cfg: Config) -> RunResult:
     sft_cfg.data.max_length = d.max_length
     if eval_rows:
         sft_cfg.data.eval_path = str(run_dir / "verifier_eval_data.jsonl")
-    with banner.nested():  # this run's banner and summary describe it, not the SFT stage's
+    with rundir.nested():  # this run's banner and summary describe it, not the SFT stage's
         result = sft.train(sft_cfg, desc="verifier")  # writes its own resolved config.yaml next to verifier.yaml
 
     # ---- 3. measure the verifier on the held-out problems
     metrics = dict(result.metrics)
     if eval_rows and result.checkpoint is not None:
-        from ..models.reward import VerifierScorer
-
-        scorer = VerifierScorer(str(result.checkpoint), device=resolve_device(cfg.device), template=d.template,
+        scorer = VerifierScorer(str(result.checkpoint), device=run.device, template=d.template,
                                 max_length=d.max_length)
         p_yes = scorer.score([r["problem"] for r in eval_rows], [r["response"] for r in eval_rows])
         summary = verifier_metrics(p_yes, [r["correct"] for r in eval_rows])
         (run_dir / "verifier_eval.json").write_text(json.dumps(summary, indent=2))
         metrics.update({f"verifier/{k}": v for k, v in summary.items()})
-    banner.end("verifier", run_dir=run_dir, seconds=time.perf_counter() - t_start, metrics=metrics,
-               keys=("train/loss", "eval/loss", "verifier/accuracy", "verifier/p_yes_correct", "verifier/p_yes_incorrect"),
-               checkpoint=result.checkpoint)
-    return RunResult(run_dir=run_dir, steps=result.steps, metrics=metrics, checkpoint=result.checkpoint, history=result.history)
+    return frame.close(run, metrics=metrics, steps=result.steps, checkpoint=result.checkpoint,
+                       keys=("train/loss", "eval/loss", "verifier/accuracy", "verifier/p_yes_correct", "verifier/p_yes_incorrect"))
 
 
 def verifier_metrics(p_yes: list[float], correct: list[bool]) -> dict[str, float]:

@@ -32,7 +32,8 @@ from __future__ import annotations
 from .charts import CHARTS, chart_svg, nice_ticks, plan_charts, tick_labels
 from .compare import write_compare
 from .evalview import group_samples
-from .load import Run, final_metrics, infer_recipe, load_run, metric_keys, read_jsonl, trace_files, wall_time
+from .load import Run, final_metrics, infer_recipe, load_run, metric_keys, trace_files, wall_time
+from .util import read_jsonl
 from .page import CSP, refresh_after_run, refresh_report, render_page, write_report
 from .traces import build_traces, trace_row, trace_step
 from .util import PALETTE, REPORT_FILE, fmt

@@ -9,6 +9,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ..checkpoint import atomic_write_text
+from .compare import write_compare
+from .load import check_run_dir, load_run
+from .page import render_page, write_report
+
 USAGE = """usage: relign report RUN_DIR [RUN_DIR ...] [--out PATH]
 
 Write RUN_DIR/report.html: summary, metric plots, rollout traces, eval samples (one
@@ -84,11 +89,6 @@ def main(argv: list[str]) -> int:
 
 
 def _write(dirs: list[str], out: str | None) -> Path:
-    from ..checkpoint import atomic_write_text
-    from .compare import write_compare
-    from .load import check_run_dir, load_run
-    from .page import render_page, write_report
-
     if len(dirs) > 1:
         return write_compare(dirs, out)
     if out is None:

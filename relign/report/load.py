@@ -14,7 +14,6 @@ A run directory holds (every file optional, so a run that has only just started 
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -23,7 +22,8 @@ from typing import Any
 
 from ..checkpoint import STATE_FILE, list_checkpoints
 from ..tracking import read_metrics
-from .util import REPORT_FILE, _dig, _is_num
+from .search import load_search
+from .util import REPORT_FILE, _dig, _is_num, read_json, read_jsonl
 
 # Folders of a run that are never sub-runs (a demo's sub-runs are its other sub-directories).
 NOT_SUBRUNS = {"checkpoints", "rollouts", "tensorboard", "wandb", ".cache", "search"}
@@ -61,7 +61,6 @@ def check_run_dir(root: Path) -> None:
 
 
 def load_run(root: Path) -> Run:
-    from .search import load_search  # search.py reads rows with this module's read_jsonl
 
     root = Path(root)
     run = Run(path=root)
@@ -96,38 +95,6 @@ def _parse_yaml(text: str) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 -- a broken config still gets its text shown
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    """A JSON object from ``path``, or None when it is missing, unreadable or not an object."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
-    """Rows of a JSONL file (at most ``limit``); a cut or bad line is skipped, not fatal."""
-    rows: list[dict[str, Any]] = []
-    if not path.is_file():
-        return rows
-    with open(path, errors="replace") as f:
-        for line in f:
-            if limit is not None and len(rows) >= limit:
-                break
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-    return rows
-
-
-def count_lines(path: Path) -> int:
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
 
 
 def step_files(folder: Path) -> list[tuple[int, Path]]:

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from urllib.parse import quote
 
+from .. import distributed
 from ..checkpoint import atomic_write_text
 from .evalview import render_eval
 from .load import Run, check_run_dir, final_metrics, infer_recipe, last_step, load_run, model_and_task, wall_time
@@ -71,8 +72,6 @@ def refresh_report(run_dir: str | os.PathLike) -> Path | None:
 def _is_main_rank() -> bool:
     """Rank 0 of the process group, or of torchrun's environment once the group is gone (the
     CLI tears it down before the report is written, when every rank would otherwise say 0)."""
-    from .. import distributed
-
     if distributed.is_initialized():
         return distributed.is_main()
     return os.environ.get("RANK", "0") in ("", "0")

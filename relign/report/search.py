@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .load import count_lines, read_json, read_jsonl
 from .sweep import render_sweep
 from .tree import render_tree
-from .util import _cut, _flatten, _is_int, _is_num, _text, asset, fmt
+from .util import _cut, _flatten, _is_int, _is_num, _text, asset, count_lines, fmt, read_json, read_jsonl
 
 SWEEP_FILE = "sweep.json"
 SEARCH_FILE = "search.jsonl"

@@ -11,6 +11,7 @@ import json
 import math
 from typing import Any
 
+from ..checkpoint import atomic_write_text
 from .charts import _range, nice_ticks, tick_labels, y_grid
 from .util import PALETTE, _cut, _is_num, _text, fmt
 
@@ -169,3 +170,19 @@ def _fin(v: Any) -> float | None:
 
 def _num(v: Any) -> str:
     return html.escape(fmt(v)) if _is_num(v) else ("—" if v is None else html.escape(_cut(_text(v), 100)))
+
+
+_SVG_STYLE = ("<style>.grid{stroke:#eef0f2}.frame{fill:none;stroke:#d0d7de}.tick,.axis-title{font:10px sans-serif;"
+              "fill:#57606a}.line,.errbar{fill:none;stroke-width:1.5}.pt{stroke:#fff}.legend{font:11px sans-serif}</style>")
+
+
+def write_sweep_svg(path, rows: list[dict[str, Any]]) -> None:
+    """The report's sweep chart as a file a browser opens on its own (namespace, styles, legend):
+    ``relign eval``'s accuracy_vs_tokens.svg."""
+    series = sweep_series(rows)[0]
+    svg, _ = sweep_chart_svg(series)
+    legend = "".join(f'<text class="legend" x="60" y="{24 + 14 * i}" fill="{PALETTE[i % len(PALETTE)]}">'
+                     f"\u25cf {html.escape(label)}</text>" for i, (label, _) in enumerate(series))
+    svg = svg.replace("<svg", '<svg xmlns="http://www.w3.org/2000/svg"', 1) if "xmlns=" not in svg else svg
+    head_end = svg.index(">") + 1
+    atomic_write_text(path, svg[:head_end] + _SVG_STYLE + svg[head_end:].replace("</svg>", legend + "</svg>") + "\n")

@@ -10,7 +10,8 @@ import html
 from pathlib import Path
 from typing import Any
 
-from .load import Run, count_lines, read_jsonl
+from .load import Run
+from .util import count_lines, read_jsonl
 from .util import MAX_TEXT_CHARS, _as_bool, _clean, _cut, _finite, _first, _json, _script_json, _text
 
 # Caps that keep report.html a few MB however long the run: the page says when it cut.
@@ -22,7 +23,6 @@ MAX_TOKENS_PER_ROW = 1024  # token-level detail per response
 
 EXTRACTED_KEYS = ("extracted", "extracted_answer", "pred", "prediction")  # in an RL trace row or its extra_info
 GOLD_KEYS = ("answer", "gold", "target", "ground_truth")  # in a trace row's extra_info
-
 
 
 def correctness(row: dict[str, Any]) -> bool | None:

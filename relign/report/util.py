@@ -12,6 +12,7 @@ import json
 import math
 import re
 from importlib import resources
+from pathlib import Path
 from typing import Any, Iterable
 
 REPORT_FILE = "report.html"
@@ -165,3 +166,35 @@ def asset(name: str) -> str:
     if re.search(r"</(script|style)", text, re.I):  # would end the inline block it goes into
         raise ValueError(f"report_assets/{name} must not contain '</script' or '</style'")
     return text
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object from ``path``, or None when it is missing, unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """Rows of a JSONL file (at most ``limit``); a cut or bad line is skipped, not fatal."""
+    rows: list[dict[str, Any]] = []
+    if not path.is_file():
+        return rows
+    with open(path, errors="replace") as f:
+        for line in f:
+            if limit is not None and len(rows) >= limit:
+                break
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
+
+
+def count_lines(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())

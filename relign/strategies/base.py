@@ -6,25 +6,11 @@ different shapes are compared at equal compute (search_and_credit.md, bottom lin
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-
-@dataclass
-class Problem:
-    """One problem as every strategy sees it: rendered and tokenized once (``envs.tasks.encode_problems``)."""
-
-    id: int
-    """Stable identity (the record's index in its file): seeds derive from it, never from the
-    problem's position in a batch, so results do not depend on the batch composition."""
-    prompt_ids: list[int]
-    """The rendered prompt (chat template applied) as token ids: what the engine continues."""
-    prompt_text: str
-    """The rendered prompt as text (what a rule reward receives as ``prompt``)."""
-    question: str
-    """The problem as the user wrote it, without chat markup (what a learned scorer reads)."""
-    extra_info: dict[str, Any] = field(default_factory=dict)
-    """The task's ground truth (the gold answer): used to grade, never to search unless allowed."""
+from ..envs.tasks import Problem
+from ..rollout.prefixes import Cost
 
 
 @dataclass
@@ -52,28 +38,6 @@ class Budget:
         if self.max_generated_tokens is None and self.max_samples is None and self.max_simulations is None:
             raise ValueError("a budget needs at least one of budget.max_generated_tokens, budget.max_samples, "
                              "budget.max_simulations")
-
-
-@dataclass
-class Cost:
-    """What a search spent. ``generated_tokens`` is the budget unit everywhere."""
-
-    generated_tokens: int = 0
-    """Tokens the engine generated (expansions, resamples and rollouts), each counted once."""
-    prompt_tokens: int = 0
-    """Prefix tokens sent to the engine (after de-duplication)."""
-    engine_calls: int = 0
-    """``engine.generate`` calls this problem took part in (a batched call counts once)."""
-    scorer_calls: int = 0
-    """Scorer calls this problem took part in."""
-    scorer_tokens: int = 0
-    """Characters of partial solutions the scorer read (a proxy for its cost; it has its own tokenizer)."""
-    wall_s: float = 0.0
-    """Seconds of the batched search this problem belonged to."""
-
-    def add(self, other: Cost) -> None:
-        for k, v in asdict(other).items():
-            setattr(self, k, getattr(self, k) + v)
 
 
 @dataclass

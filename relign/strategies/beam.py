@@ -16,10 +16,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ..envs.tasks import Problem
 from ..rollout.engine import SamplingParams, derive_seed
-from .base import Budget, Candidate, Cost, Problem, SearchResult
+from ..rollout.prefixes import Cost, continue_prefixes
+from .base import Budget, Candidate, SearchResult
 from .common import BudgetClock, ScoreJob, answer_of, check_scorer, equal_fn, score_jobs, select_candidate, step_texts
-from .sample import continue_prefixes
 
 _FINISH = 0xF1515  # seed tag of the finishing continuation
 
@@ -34,15 +35,21 @@ class _Beam:
 
 
 @dataclass
-class StepBeam:
-    tokenizer: object
-    name: str = "step_beam"
+class BeamOptions:
+    """Step beam's own knobs: the config section ``search.beam.*`` of ``relign eval``."""
+
     beams: int = 4
     """Beams kept after each round (search-and-learn's N / M)."""
+    select: str = "argmax"
+    """The answer among complete beams: argmax or weighted_vote."""
+
+
+@dataclass
+class StepBeam(BeamOptions):
+    tokenizer: object = None
+    name: str = "step_beam"
     width: int = 4
     """Next steps proposed per kept beam (M)."""
-    select: str = "argmax"
-    """argmax or weighted_vote over the complete solutions."""
     temperature: float = 0.7
     top_p: float = 1.0
     delimiter: str = "\n"
@@ -162,4 +169,3 @@ class StepBeam:
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
                 done[i].append(Candidate(ids, text, answer_of(task, text, problems[i].extra_info), score=s,
                                          finish_reason=finish, meta={"kind": "finish", "depth": active[i][0].depth}))
-

@@ -9,9 +9,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import Budget, Candidate, Cost, Problem
+from ..envs.tasks import Problem
+from ..rollout.prefixes import Cost
+from ..rollout.steps import step_ends
+from .base import Budget, Candidate
 from .scorers import aggregate_step_scores, check_reference
-from .steps import step_ends
 from .voting import argmax_index, majority, vote, weighted_vote
 
 log = logging.getLogger(__name__)

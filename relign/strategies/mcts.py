@@ -32,10 +32,11 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from ..envs.tasks import Problem
 from ..rollout.engine import Completion, SamplingParams, derive_seed
-from .base import Budget, Candidate, Cost, Problem, SearchResult
+from ..rollout.prefixes import Cost, continue_prefixes
+from .base import Budget, Candidate, SearchResult
 from .common import BudgetClock, ScoreJob, answer_of, check_scorer, equal_fn, score_jobs, select_candidate, step_texts
-from .sample import continue_prefixes
 from .voting import majority, vote
 
 RULES = ("puct", "uct")
@@ -143,31 +144,37 @@ class Tree:
 
 
 @dataclass
-class MCTS:
+class MctsOptions:
+    """MCTS's own knobs: the config section ``search.mcts.*`` of ``relign eval``."""
+
+    rule: str = "puct"
+    """MCTS selection: puct (AlphaMath) or uct (rStar)."""
+    c_puct: float = 1.25
+    """PUCT exploration weight (AlphaMath, TS-LLM's pb_c_init)."""
+    c_uct: float = 2.0
+    """UCT exploration weight."""
+    prior: str = "normalized"
+    """MCTS prior: exp(mean step log-prob), normalized over siblings or raw (AlphaMath)."""
+    distinct: bool = True
+    """Re-draw duplicate steps (up to 3 x width draws); false merges them (fewer children)."""
+    leaf_eval: str = "scorer"
+    """MCTS leaf value: scorer (one scorer call per round), or rollout (K continuations to the end, scored)."""
+    rollouts: int = 4
+    """K of leaf_eval=rollout: the rollouts per new child."""
+    answer: str = "best_terminal"
+    """MCTS answer: best_terminal, visits, weighted_vote or top_k_vote."""
+    top_k: int = 4
+    """Candidates that vote with answer=top_k_vote."""
+
+
+@dataclass
+class MCTS(MctsOptions):
     """PUCT over steps, batched in lockstep across problems (see the module docstring)."""
 
-    tokenizer: object
+    tokenizer: object = None
     name: str = "mcts"
     width: int = 4
     """Children per expansion."""
-    c_puct: float = 1.25
-    """Exploration weight of PUCT (AlphaMath, TS-LLM's pb_c_init)."""
-    rule: str = "puct"
-    """puct (AlphaMath) or uct (rStar)."""
-    c_uct: float = 2.0
-    """Exploration weight of UCT."""
-    prior: str = "normalized"
-    """normalized (over siblings) or raw exp(mean log-prob) (AlphaMath)."""
-    distinct: bool = True
-    """Re-draw duplicate steps (up to 3 * width draws); False merges them (fewer children)."""
-    leaf_eval: str = "scorer"
-    """scorer (one scorer call per round) or rollout (K continuations to the end, scored)."""
-    rollouts: int = 4
-    """K, the rollouts per new child with leaf_eval=rollout."""
-    answer: str = "best_terminal"
-    """best_terminal, visits, weighted_vote or top_k_vote."""
-    top_k: int = 4
-    """Candidates that vote with answer=top_k_vote."""
     temperature: float = 0.7
     top_p: float = 1.0
     delimiter: str = "\n"
@@ -426,4 +433,3 @@ class MCTS:
 def _score(c: Candidate) -> float:
     """A candidate's score for ranking; an unscored one ranks last (below any negative reward)."""
     return c.score if c.score is not None else -math.inf
-

@@ -19,10 +19,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ..envs.tasks import Problem
 from ..rollout.engine import SamplingParams, derive_seed
-from .base import Budget, Candidate, Cost, Problem, SearchResult
+from ..rollout.prefixes import Cost, continue_prefixes
+from .base import Budget, Candidate, SearchResult
 from .common import BudgetClock, ScoreJob, answer_of, check_scorer, equal_fn, score_jobs, select_candidate, step_texts
-from .sample import continue_prefixes
 
 
 @dataclass

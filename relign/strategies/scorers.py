@@ -26,6 +26,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ..envs.base import normalize_reward
+from ..models import reward as reward_models
+from ..models.loading import load_causal_lm, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -86,16 +88,12 @@ class _OutcomeScorer:
 
 def VerifierScorer(path: str, **kwargs: Any) -> _OutcomeScorer:  # noqa: N802 - reads as a class
     """relign's generative verifier: P("Yes") that the (partial) solution is correct."""
-    from ..models.reward import VerifierScorer as Inner
-
-    return _OutcomeScorer(Inner(path, **kwargs))
+    return _OutcomeScorer(reward_models.VerifierScorer(path, **kwargs))
 
 
 def RewardModelScorer(path: str, **kwargs: Any) -> _OutcomeScorer:  # noqa: N802
     """A Bradley-Terry reward model's r(x, y)."""
-    from ..models.reward import RewardModelScorer as Inner
-
-    return _OutcomeScorer(Inner(path, **kwargs))
+    return _OutcomeScorer(reward_models.RewardModelScorer(path, **kwargs))
 
 
 class PRMScorer:
@@ -112,8 +110,6 @@ class PRMScorer:
 
     def __init__(self, path: str, *, step_tag: str = " ки", good_token: str = "+", bad_token: str = "-", device="cpu",
                  batch_size: int = 8, max_length: int = 2048, dtype: str = "fp32", trust_remote_code: bool = False):
-        from ..models.loading import load_causal_lm, load_tokenizer
-
         self.tok = load_tokenizer(path, trust_remote_code=trust_remote_code)
         self.model = load_causal_lm(path, dtype=dtype, trust_remote_code=trust_remote_code, device=device)
         self.model.eval().requires_grad_(False)

@@ -79,7 +79,7 @@ def test_rule_scorer_allowed_where_the_reward_needs_no_gold_answer(tiny_model_di
     # countdown checks the expression against the numbers in the prompt: no gold answer is read
     run = tmp_path / "run"
     assert main(["eval", f"model.path={tiny_model_dir}", "task.name=countdown", "task.max_rows=2", "strategy=step_beam",
-                 "scorer=rule", "search.beams=2", "search.width=2", "budget.max_simulations=2", f"run_dir={run}", *FAST]) == 0
+                 "scorer=rule", "search.beam.beams=2", "search.width=2", "budget.max_simulations=2", f"run_dir={run}", *FAST]) == 0
     rows = _rows(run / "search.jsonl")
     assert len(rows) == 2 and all(r["tree"] is None and r["cost"]["scorer_calls"] >= 1 for r in rows)
 

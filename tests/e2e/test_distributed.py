@@ -107,9 +107,11 @@ _MIXED_SCRIPT = """
 import sys, torch
 from relign import distributed
 from relign.models.loading import load_causal_lm
+from relign.models.precision import mixed_dtype
 
 distributed.init()
-model = distributed.wrap_fsdp(load_causal_lm(sys.argv[1], dtype="bf16-mixed"))
+model = load_causal_lm(sys.argv[1], dtype="bf16-mixed")
+model = distributed.wrap_fsdp(model, mixed_dtype(model))
 seen = {}
 layer, root = model.model.layers[0], model.model.embed_tokens
 layer.self_attn.q_proj.register_forward_hook(lambda m, a, out: seen.update(layer=m.weight.dtype, x=out.dtype))

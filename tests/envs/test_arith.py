@@ -9,7 +9,7 @@ import pytest
 
 from relign.data.readers import DataError
 from relign.envs import arith
-from relign.envs.base import get_task
+from relign.envs.tasks import get_task
 from relign.envs.safe_arith import evaluate
 
 INFO = {"answer": 9}  # 7 + 5 - 3

@@ -9,7 +9,7 @@ import pytest
 
 from relign.data.readers import DataError
 from relign.envs import math as math_task
-from relign.envs.base import get_task
+from relign.envs.tasks import get_task
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from relign.envs.base import RewardResult, get_task
+from relign.envs.base import RewardResult
+from relign.envs.tasks import get_task
 from relign.envs.rewards import RewardPool
 
 MISBEHAVE = '''

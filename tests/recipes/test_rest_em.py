@@ -12,7 +12,7 @@ import pytest
 
 from relign.config import ConfigError, load_config
 from relign.models.loading import load_causal_lm
-from relign.recipes import rest_em, sft
+from relign.recipes import frame, rest_em
 from relign.recipes.rest_em import filter_samples, iteration_seed, select_checkpoint, sft_batch
 
 from ..conftest import torch_threads, write_jsonl
@@ -138,14 +138,13 @@ def _run(tiny_model_dir, tmp: Path, run: Path, *extra: str, starts: list | None 
     cfg = load_config(rest_em.Config, None, [*toy_args(tiny_model_dir, tmp), f"run_dir={run}", *extra])
     with torch_threads(1), pytest.MonkeyPatch.context() as mp:
         if starts is not None:
-            real = sft.load_causal_lm
+            real = frame.trainable
 
-            def spy(path, **kw):
-                model = real(path, **kw)
-                starts.append((str(path), _params_hash(model)))
-                return model
+            def spy(run, model, **kw):  # the model SFT is about to train, as it starts
+                starts.append((str(run.cfg.model.path), _params_hash(model)))
+                return real(run, model, **kw)
 
-            mp.setattr(sft, "load_causal_lm", spy)
+            mp.setattr(frame, "trainable", spy)
         return rest_em.train(cfg)
 
 

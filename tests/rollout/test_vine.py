@@ -47,7 +47,7 @@ def test_each_token_gets_its_steps_advantage_and_a_straddling_token_closes_its_s
     tok = FakeTokenizer()
     # step 1 = [s0, ".\n\n"] (the straddling token ends it), step 2 = [s1, NL], step 3 = [s2]
     ids = [step_token(0), STRADDLE, step_token(1), NL, step_token(2)]
-    from relign.strategies.steps import step_ends
+    from relign.rollout.steps import step_ends
 
     ends = step_ends(ids, tok, "\n")
     assert ends == [2, 4, 5]

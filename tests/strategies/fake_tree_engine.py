@@ -41,7 +41,7 @@ import torch
 
 from relign.envs.base import Task
 from relign.rollout.engine import Completion, SamplingParams, derive_seed
-from relign.strategies.base import Problem
+from relign.envs.tasks import Problem
 
 # --------------------------------------------------------------------------- vocabulary
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from relign.rollout.engine import Engine, SamplingParams
-from relign.strategies.base import Problem
+from relign.envs.tasks import Problem
 
 from .fake_tree_engine import (
     ANS0,

@@ -13,11 +13,13 @@ import random
 import pytest
 
 from relign.rollout.engine import Completion, SamplingParams
-from relign.strategies.base import Budget, Candidate, Cost, Problem
+from relign.envs.tasks import Problem
+from relign.rollout.prefixes import Cost
+from relign.strategies.base import Budget, Candidate
 from relign.strategies.common import select_candidate
 from relign.strategies.mcts import MCTS, Node, Tree, normalized_priors, puct, uct
 from relign.strategies.registry import STRATEGIES, make_strategy
-from relign.strategies.sample import continue_prefixes
+from relign.rollout.prefixes import continue_prefixes
 from relign.strategies.scorers import TaskRuleScorer, aggregate_step_scores
 
 from .fake_tree_engine import (

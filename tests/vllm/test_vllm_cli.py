@@ -154,7 +154,7 @@ def test_an_architecture_vllm_lacks_is_named(vllm_model_dir, tmp_path):
 
 def test_search_runs_on_vllm(vllm_model_dir, tmp_path):
     """A tree search (step beam, rule scorer) and a sampling strategy through eval on the vLLM engine."""
-    for strategy in (["strategy=step_beam", "scorer=rule", "search.beams=2", "search.width=2", "budget.max_simulations=2"],
+    for strategy in (["strategy=step_beam", "scorer=rule", "search.beam.beams=2", "search.width=2", "budget.max_simulations=2"],
                      ["strategy=majority", "budget.max_samples=4"]):
         run = tmp_path / strategy[0].split("=")[1]
         run_cli("eval", f"model.path={vllm_model_dir}", "task.name=countdown", "task.max_rows=2", "engine=vllm", *strategy,

@@ -1,4 +1,4 @@
-"""Steps in token ids (relign.strategies.steps): where each step ends, the states before each
+"""Steps in token ids (relign.rollout.steps): where each step ends, the states before each
 step, and the steps' ids; on the fake vocabulary (exact, hand-checked) and on the tiny model's
 locally trained BPE tokenizer (whatever its merges are)."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from relign.strategies.steps import split_steps, step_ends, step_prefixes
+from relign.rollout.steps import split_steps, step_ends, step_prefixes
 
-from .fake_tree_engine import ANS0, EOS, HASH, NL, PROMPT0, STEP0, STRADDLE, FakeTokenizer
+from ..strategies.fake_tree_engine import ANS0, EOS, HASH, NL, PROMPT0, STEP0, STRADDLE, FakeTokenizer
 
 TOK = FakeTokenizer()
 S0, S1, S2 = STEP0, STEP0 + 1, STEP0 + 2

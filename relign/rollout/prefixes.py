@@ -1,4 +1,4 @@
-"""One batched engine call for many prefixes, de-duplicated, with every generated token counted.
+"""Sampling continuations of prefixes, the primitive search, VinePPO and ReST-EM share: one batched engine call for many prefixes, de-duplicated, with every generated token counted.
 
 This is the only place search, VinePPO and ReST-EM talk to the engine: identical prefixes are
 sent once (every sample of a question shares s_0; sibling MCTS leaves share their parent), the
@@ -10,8 +10,31 @@ the caller's ``Cost`` here and nowhere else.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from ..rollout.engine import Completion, SamplingParams
-from .base import Cost
+from dataclasses import asdict, dataclass
+
+from .engine import Completion, SamplingParams
+
+
+@dataclass
+class Cost:
+    """What a search spent. ``generated_tokens`` is the budget unit everywhere."""
+
+    generated_tokens: int = 0
+    """Tokens the engine generated (expansions, resamples and rollouts), each counted once."""
+    prompt_tokens: int = 0
+    """Prefix tokens sent to the engine (after de-duplication)."""
+    engine_calls: int = 0
+    """``engine.generate`` calls this problem took part in (a batched call counts once)."""
+    scorer_calls: int = 0
+    """Scorer calls this problem took part in."""
+    scorer_tokens: int = 0
+    """Characters of partial solutions the scorer read (a proxy for its cost; it has its own tokenizer)."""
+    wall_s: float = 0.0
+    """Seconds of the batched search this problem belonged to."""
+
+    def add(self, other: Cost) -> None:
+        for k, v in asdict(other).items():
+            setattr(self, k, getattr(self, k) + v)
 
 
 def continue_prefixes(engine, prefixes: Sequence[Sequence[int]], params: SamplingParams,
@@ -68,4 +91,3 @@ def continue_prefixes(engine, prefixes: Sequence[Sequence[int]], params: Samplin
                 c.prompt_tokens += len(unique[j])
                 c.generated_tokens += sum(len(x.token_ids) for x in outs[j])
     return [outs[j] for j in slot]
-

@@ -1,0 +1,234 @@
+"""The frame around every trainer: open the run, make a model trainable, save, step, close.
+
+    run = frame.open(cfg, "sft", check=_check)          distributed.init, the checks, device, seed, run directory
+    t = frame.trainable(run, model, ckpt=..., rows=..., total_steps=...)
+                                                         resumed weights, FSDP, data order, AdamW + schedule, resume
+    save = frame.saver(run, t, tok)                      gather (a collective), atomic checkpoint, barrier
+    tracker = frame.tracker(run, t, desc=..., ...)       metrics.jsonl + progress bar; step 0 or "resumed from"
+    for step in frame.steps(t):
+        ... the recipe's own step ...
+        metrics |= frame.optimizer_step(t, max_grad_norm)   clip, step, schedule, zero_grad
+        frame.log(run, tracker, save, step, metrics)     log, and save every checkpoint.save_every
+    return frame.close(run, metrics=..., keys=..., steps=..., checkpoint=frame.save_last(run, t, save))
+
+Plain functions over two records (``Run``, ``Trainer``), not a base class: each recipe's
+``train`` stays the one readable loop of its method (DESIGN.md principle 1), and what comes
+before and after the loop is written once, here, so a fix to resume or save lands in one place.
+``sft``, ``rm``, ``dpo`` use all of it; ``rl`` its open, trainable, saver and close; ``rest``,
+``eval``, ``demo`` and ``verifier`` (no optimizer of their own) its open and close.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import banner, distributed
+from ..checkpoint import (
+    gather_train_state,
+    load_model_weights,
+    resolve_resume,
+    resume_training,
+    save_checkpoint,
+    save_final,
+    seed_everything,
+)
+from ..data.collate import StepSampler
+from ..models.loading import resolve_device, trainable_parameters
+from ..models.precision import mixed_dtype
+from ..optim import build_training, clip_gradients
+from ..rundir import open_run
+from ..tracking import Tracker, read_metrics
+from . import RunResult, build
+
+
+@dataclass
+class Run:
+    """An open run: its config, recipe name, directory and device, and when it started."""
+
+    cfg: Any
+    recipe: str
+    run_dir: Path
+    device: torch.device
+    t_start: float = field(default_factory=time.perf_counter)
+
+    @property
+    def rank(self) -> int:
+        return distributed.rank()
+
+    @property
+    def world(self) -> int:
+        return distributed.world_size()
+
+
+@dataclass
+class Trainer:
+    """A model made trainable: sharded, with its optimizer, schedule, data order and the step it resumes after."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    sampler: StepSampler
+    total_steps: int
+    start: int = 0
+    """The last step already done (0: a fresh run)."""
+    ckpt: Path | None = None
+    """The checkpoint it resumed from."""
+    params: list[torch.Tensor] = field(default_factory=list)
+    """The trainable parameters (what the gradient norm is clipped over)."""
+
+
+def open(cfg: Any, recipe: str, *, check: Callable[[Any], Any] | None = None, seed: int | None = None,
+         config_name: str = "config.yaml") -> Run:
+    """Start a run: the process group (torchrun), ``check(cfg)`` before anything is read, the
+    device, every random stream seeded (``seed``, default ``cfg.seed``), and the run directory
+    (a fresh one unless resuming the same run: ``relign.rundir``). A collective under torchrun."""
+    t_start = time.perf_counter()
+    distributed.init()
+    if check is not None:
+        check(cfg)
+    device = resolve_device(cfg.device)
+    seed_everything(cfg.seed if seed is None else seed)
+    run_dir = open_run(cfg, recipe, config_name=config_name)
+    return Run(cfg, recipe, run_dir, device, t_start)
+
+
+def checkpoint_to_resume(run: Run) -> Path | None:
+    """The checkpoint ``resume`` names (``auto``: the newest valid one in the run directory), or None."""
+    return resolve_resume(run.cfg.resume, run.run_dir)
+
+
+def shard(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 over the ranks (a no-op on one process), gathering a mixed-precision model's weights in its compute dtype."""
+    return distributed.wrap_fsdp(model, mixed_dtype(model))
+
+
+def trainable(run: Run, model: torch.nn.Module, *, ckpt: Path | None, rows: int, batch_size: int, total_steps: int,
+              optim=None, weights_loaded: bool = False) -> Trainer:
+    """``model`` ready to train: the checkpoint's weights (before sharding, so every rank starts
+    from the same full weights; ``weights_loaded`` when the caller has loaded them already),
+    FSDP, the data order over ``rows`` in batches of ``batch_size``, AdamW and its schedule over
+    ``total_steps`` updates (``optim``, default ``cfg.optim``), and the optimizer, schedule and data
+    position of ``ckpt``."""
+    if ckpt is not None and not weights_loaded:
+        load_model_weights(model, ckpt)
+    model = shard(model)
+    sampler = StepSampler(rows, batch_size, seed=run.cfg.seed)
+    optimizer, scheduler = build_training(model, optim or run.cfg.optim, total_steps)
+    start = resume_training(ckpt, model, optimizer, scheduler, sampler)
+    return Trainer(model, optimizer, scheduler, sampler, total_steps, start, ckpt, trainable_parameters(model))
+
+
+def saver(run: Run, t: Trainer, tokenizer, *, state: dict[str, Any] | None = None,
+          extra: Callable[[], tuple[dict[str, Any], dict[str, Any]]] | None = None) -> Callable[[int], None]:
+    """``save(step)``: the full model and optimizer state gathered from the shards (a collective:
+    every rank calls it), written atomically by rank 0 as ``checkpoints/step_N`` with the
+    schedule, the data position, ``state`` (JSON) and what ``extra()`` returns (more tensors, and
+    more models by sub-folder: RL's engine state and critic), then a barrier."""
+    def save(step: int) -> None:
+        model_sd, optim_sd = gather_train_state(t.model, t.optimizer)
+        tensors = {"optimizer": optim_sd, "scheduler": t.scheduler.state_dict()}
+        models: dict[str, Any] = {}
+        if extra is not None:
+            more, models = extra()
+            tensors.update(more)
+        if distributed.is_main():
+            save_checkpoint(run.run_dir, step, model=t.model, tokenizer=tokenizer, state_dict=model_sd, tensors=tensors,
+                            extra_models=models, keep_last=run.cfg.checkpoint.keep_last,
+                            state={"sampler": t.sampler.state_dict(), "recipe": run.recipe, **(state or {})})
+        distributed.barrier()
+
+    return save
+
+
+def tracker(run: Run, t: Trainer, *, desc: str, bar_keys: tuple[str, ...], first: dict[str, float] | None = None,
+            total_steps: int | None = None) -> Tracker:
+    """The run's metrics.jsonl, TensorBoard / W&B and progress bar over ``total_steps`` (default
+    ``t.total_steps``: RL counts rollout steps, not updates), from ``t.start``; a fresh run logs
+    ``first`` (its data counts) at step 0, a resumed one says where it resumed from."""
+    out = build.tracker_for(run.cfg.logging, run.run_dir, total_steps=total_steps or t.total_steps, start_step=t.start,
+                            desc=desc, bar_keys=bar_keys)
+    if t.start:
+        out.write(f"resumed from {t.ckpt} at step {t.start}")
+    elif first is not None:
+        out.log(0, first, advance=False)
+    return out
+
+
+def schedule(cfg: Any, rows: int) -> tuple[int, int]:
+    """(total steps, steps per epoch) of an offline trainer: ``max_steps``, or ``epochs`` passes
+    over ``rows`` in full batches (the sampler drops an epoch's short tail)."""
+    steps_per_epoch = rows // cfg.batch_size
+    return cfg.max_steps or max(1, int(math.ceil(cfg.epochs * steps_per_epoch))), steps_per_epoch
+
+
+def offline_facts(run: Run, total_steps: int, steps_per_epoch: int, *, read: int, train: int, eval_rows: int, unit: str,
+                  made: str = "", **extra: Any) -> dict[str, Any]:
+    """What the start banner and ``--dry-run`` say about an offline trainer's data and length."""
+    cfg = run.cfg
+    return dict(run_dir=run.run_dir, device=run.device, **extra,
+                data=banner.data_line(read, train, eval_rows, made=made),
+                steps=banner.steps_line(total_steps, max_steps=cfg.max_steps, epochs=cfg.epochs,
+                                        steps_per_epoch=steps_per_epoch, batch=f"{cfg.batch_size} {unit}"))
+
+
+def steps(t: Trainer) -> range:
+    """The steps still to run."""
+    return range(t.start + 1, t.total_steps + 1)
+
+
+def optimizer_step(t: Trainer, max_grad_norm: float) -> dict[str, float]:
+    """Clip the gradient norm, step AdamW and the schedule, zero the gradients; the norm (before
+    clipping) and the learning rate the step used, as ``train/*`` metrics."""
+    grad_norm = clip_gradients(t.params, max_grad_norm)
+    lr = t.scheduler.get_last_lr()[0]
+    t.optimizer.step()
+    t.scheduler.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    return {"train/grad_norm": grad_norm, "train/lr": lr}
+
+
+def epoch(t: Trainer) -> float:
+    """Epochs done, fractional."""
+    return t.sampler.epoch + t.sampler.position / max(1, t.sampler.n)
+
+
+def eval_due(step: int, every: int, total_steps: int) -> bool:
+    """Every ``every`` steps (0: never) and at the last step."""
+    return bool(every and step % every == 0) or step == total_steps
+
+
+def log(run: Run, out: Tracker, save: Callable[[int], None], step: int, metrics: dict[str, float]) -> None:
+    """Log the step's metrics; save every ``checkpoint.save_every`` steps."""
+    out.log(step, metrics)
+    every = run.cfg.checkpoint.save_every
+    if every and step % every == 0:
+        save(step)
+
+
+def save_last(run: Run, t: Trainer, save: Callable[[int], None]) -> Path | None:
+    """The last step saved unless it already is (or ``checkpoint.save_final`` is off); the newest checkpoint."""
+    return save_final(run.run_dir, save, total_steps=t.total_steps, start_step=t.start,
+                      save_final=run.cfg.checkpoint.save_final)
+
+
+def close(run: Run, *, metrics: dict[str, Any], keys: tuple[str, ...], steps: int, checkpoint: Path | None = None,
+          status: str = "", resumable: bool = True, after: Callable[[], None] | None = None,
+          result: dict[str, Any] | None = None) -> RunResult:
+    """End the run: the metrics history (rank 0), a barrier, ``after()`` (once every collective is
+    behind: a vLLM engine's shutdown ends the process group), the end summary, and the result
+    (``result``: its metrics, default ``metrics``)."""
+    history = read_metrics(run.run_dir) if distributed.is_main() else []
+    distributed.barrier()
+    if after is not None:
+        after()
+    banner.end(run.recipe, run_dir=run.run_dir, seconds=time.perf_counter() - run.t_start, metrics=metrics, keys=keys,
+               checkpoint=checkpoint, status=status, resumable=resumable)
+    return RunResult(run_dir=run.run_dir, steps=steps, metrics=metrics if result is None else result,
+                     checkpoint=checkpoint, history=history)

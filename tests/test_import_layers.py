@@ -1,0 +1,71 @@
+"""relign's import graph keeps its floors (docs/architecture.md, "Floors"): no cycle at run time,
+no import from a lower floor to a higher one, and the few imports inside functions say why.
+
+The graph is read with ``ast`` by ``tools/code_shape.py`` (the script that counts the shape of
+the code for the issue and the docs), so these tests and the published counts are one code."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO
+
+_spec = importlib.util.spec_from_file_location("code_shape", REPO / "tools" / "code_shape.py")
+code_shape = importlib.util.module_from_spec(_spec)
+sys.modules["code_shape"] = code_shape  # dataclasses look their module up
+_spec.loader.exec_module(code_shape)
+
+MAX_IN_FUNCTION = 30  # imports of relign's own modules inside functions (the issue's bound)
+
+
+@pytest.fixture(scope="module")
+def shape():
+    return code_shape.scan()
+
+
+def test_no_import_cycle_at_run_time(shape):
+    assert code_shape.cycles(shape) == [], "modules that import each other (move the shared piece down a floor)"
+
+
+def test_no_import_runs_back_up_the_floors(shape):
+    up = [f"{i.source} (floor {code_shape.floor_of(i.source)}) imports {i.target} (floor {code_shape.floor_of(i.target)}) "
+          f"at line {i.line}" for i in code_shape.upward(shape)]
+    assert up == []
+
+
+def test_every_module_has_a_floor(shape):
+    assert [m for m in shape.modules if code_shape.floor_of(m) == 0] == []
+
+
+def test_the_few_imports_inside_functions_say_why(shape):
+    inside = {(i.source, i.line): i.text for i in code_shape.own_imports(shape) if i.in_function}
+    assert len(inside) <= MAX_IN_FUNCTION
+    assert [f"{m}:{line} {text}" for (m, line), text in sorted(inside.items()) if "#" not in text] == []
+
+
+def _package(root: Path, modules: dict[str, str]) -> Path:
+    for name, text in {"__init__": "", **modules}.items():
+        path = root / "relign" / f"{name.replace('.', '/')}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_the_checks_see_a_cycle_an_upward_import_and_what_type_checking_hides(tmp_path):
+    """The graph the tests above read, on a package made for it: they are not vacuous."""
+    root = _package(tmp_path, {
+        "config": "from . import rundir\n",                                     # floor 2 -> floor 4: upward
+        "rundir": "def f():\n    from .config import x\n",                        # and back: a cycle, inside a function
+        "algorithms/__init__": "",
+        "algorithms/kl": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..recipes import rl\n",
+        "recipes/__init__": "", "recipes/rl": "from ..algorithms.kl import x\n",  # downward: fine
+    })
+    shape = code_shape.scan(root)
+    assert code_shape.cycles(shape) == [["relign.config", "relign.rundir"]]
+    assert [(i.source, i.target) for i in code_shape.upward(shape)] == [("relign.config", "relign.rundir")]
+    assert [(i.source, i.in_function) for i in code_shape.own_imports(shape) if i.in_function] == [("relign.rundir", "f")]
+    assert not any(i.source == "relign.algorithms.kl" for i in shape.imports)  # never runs

@@ -1,0 +1,248 @@
+"""The shape of relign's code, counted: import cycles, imports that run back up the floors, imports
+inside functions, and the longest functions.
+
+    python tools/code_shape.py            # the summary
+    python tools/code_shape.py --verbose  # every cycle, upward import, in-function import and long function
+
+How it counts (``docs/architecture.md``, "Floors"): every ``relign/**/*.py`` is parsed with ``ast``
+(nothing is imported); each ``import relign.x`` / ``from .x import y`` becomes an edge to the module
+it loads (``y`` itself when it is a submodule). Imports inside functions count, ``if TYPE_CHECKING:``
+ones do not (they never run). A cycle is a strongly connected component of that graph with more than
+one module. ``tests/test_import_layers.py`` runs this on every test run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "relign"
+
+# The floors of relign, from the ground up: a module may import its own floor and the floors below,
+# never one above. The first matching prefix wins, so a module can sit on another floor than its
+# package. Why each floor is where it is: docs/architecture.md.
+FLOORS: list[tuple[str, ...]] = [
+    ("relign.errors", "relign.algorithms"),                                           # 1: pure math, the error type
+    ("relign.config", "relign.distributed"),                                          # 2
+    ("relign.checkpoint", "relign.optim", "relign.tracking", "relign.data"),           # 3
+    ("relign.envs", "relign.models", "relign.rundir", "relign.report"),                # 4
+    ("relign.rollout", "relign.banner"),                                              # 5
+    ("relign.strategies",),                                                           # 6
+    ("relign.evaluate",),                                                             # 7
+    ("relign.recipes",),                                                              # 8
+    ("relign.commands", "relign.cli", "relign.__main__", "relign"),                   # 9: the command line
+]
+
+
+@dataclass
+class Import:
+    source: str  # the importing module
+    target: str  # the module it loads
+    line: int
+    in_function: str = ""  # the enclosing function's name, "" at module level
+    text: str = ""
+
+
+@dataclass
+class Shape:
+    modules: dict[str, Path] = field(default_factory=dict)
+    imports: list[Import] = field(default_factory=list)
+    functions: list[tuple[int, str, str, int]] = field(default_factory=list)  # (lines, module, name, first line)
+    in_function_imports: int = 0  # every import statement inside a function (relign's own or not)
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    rel = path.relative_to(root).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def scan(root: Path = ROOT) -> Shape:
+    shape = Shape()
+    files = sorted((root / PACKAGE).rglob("*.py"))
+    for f in files:
+        shape.modules[module_name(f, root)] = f
+    for f in files:
+        mod = module_name(f, root)
+        is_package = f.name == "__init__.py"
+        tree = ast.parse(f.read_text(), filename=str(f))
+        lines = f.read_text().splitlines()
+
+        def visit(node: ast.AST, func: str) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.If) and _is_type_checking(child.test):
+                    for sub in child.orelse:
+                        visit_stmt(sub, func)
+                    continue
+                visit_stmt(child, func)
+
+        def visit_stmt(child: ast.AST, func: str) -> None:
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                shape.functions.append((child.end_lineno - child.lineno + 1, mod, child.name, child.lineno))
+                visit(child, child.name)
+                return
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                if func:
+                    shape.in_function_imports += 1
+                for target in _targets(child):
+                    if target == PACKAGE or target.startswith(PACKAGE + "."):
+                        shape.imports.append(Import(mod, _known(target, shape.modules), child.lineno, func,
+                                                    lines[child.lineno - 1].strip()))
+                return
+            visit(child, func)
+
+        def _targets(node: ast.Import | ast.ImportFrom) -> list[str]:
+            if isinstance(node, ast.Import):
+                return [a.name for a in node.names]
+            base = _resolve(mod, is_package, node)
+            out = []
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                out.append(sub if sub in shape.modules else base)
+            return out
+
+        visit(tree, "")
+    return shape
+
+
+def _known(target: str, modules: dict[str, Path]) -> str:
+    """The longest prefix of ``target`` that is a module of the package."""
+    parts = target.split(".")
+    while parts and ".".join(parts) not in modules:
+        parts.pop()
+    return ".".join(parts) or target
+
+
+def own_imports(shape: Shape) -> list[Import]:
+    """Imports of relign's own modules, a module importing itself (``from . import x`` in x's package) left out."""
+    return [i for i in shape.imports if i.target != i.source]
+
+
+def graph(shape: Shape) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {m: set() for m in shape.modules}
+    for i in own_imports(shape):
+        edges[i.source].add(i.target)
+        # importing relign.a.b runs relign/a/__init__.py first; a package's own modules are
+        # imported through it, so that edge would make every package a cycle: left out
+        parent = i.target.rsplit(".", 1)[0]
+        if "." in i.target and parent != i.source and not i.source.startswith(parent + "."):
+            edges[i.source].add(parent)
+    return edges
+
+
+def cycles(shape: Shape) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    edges = graph(shape)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+    sys.setrecursionlimit(10000)
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges[v]):
+            if w not in edges:
+                continue
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def floor_of(module: str) -> int:
+    best, floor = -1, 0
+    for n, prefixes in enumerate(FLOORS, start=1):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, floor = len(p), n
+    return floor
+
+
+def upward(shape: Shape) -> list[Import]:
+    """Imports from a lower floor to a higher one (package ``__init__`` files re-exporting their
+    own modules are on their package's floor)."""
+    return [i for i in own_imports(shape) if floor_of(i.target) > floor_of(i.source)]
+
+
+def summary(shape: Shape) -> dict[str, object]:
+    own_in_function = [i for i in own_imports(shape) if i.in_function]
+    statements = {(i.source, i.line) for i in own_in_function}
+    longest = max(shape.functions)
+    return {
+        "modules": len(shape.modules),
+        "cycles": len(cycles(shape)),
+        "upward imports": len(upward(shape)),
+        "imports inside functions (statements)": shape.in_function_imports,
+        "imports inside functions to relign's own modules (statements)": len(statements),
+        "longest function": f"{longest[0]} lines ({longest[1]}.{longest[2]})",
+        "functions over 100 lines": sum(n > 100 for n, *_ in shape.functions),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--top", type=int, default=10, help="longest functions to list")
+    args = ap.parse_args(argv)
+    shape = scan()
+    for k, v in summary(shape).items():
+        print(f"{k}: {v}")
+    if args.verbose:
+        for c in cycles(shape):
+            print("cycle:", " <-> ".join(c))
+        for i in upward(shape):
+            print(f"upward: {i.source} (floor {floor_of(i.source)}) -> {i.target} (floor {floor_of(i.target)}) "
+                  f"line {i.line}")
+        seen = set()
+        for i in own_imports(shape):
+            if i.in_function and (i.source, i.line) not in seen:
+                seen.add((i.source, i.line))
+                print(f"in function: {i.source}:{i.line} {i.in_function}(): {i.text}")
+        for n, mod, name, line in sorted(shape.functions, reverse=True)[: args.top]:
+            print(f"long: {n} {mod}.{name} (line {line})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
