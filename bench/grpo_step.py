@@ -126,21 +126,6 @@ class _Timers:
     def add(self, key: str, seconds: float) -> None:
         self.acc[key] = self.acc.get(key, 0.0) + seconds
 
-    def wrap(self, owner, name: str, key: str, when=None):
-        orig = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            if when is not None and not when():
-                return orig(*args, **kwargs)
-            t0 = time.perf_counter()
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                self.add(key, time.perf_counter() - t0)
-
-        setattr(owner, name, timed)
-        return orig
-
     def step_end(self, **extra) -> None:
         self.rows.append({"end_time": time.time(), "usage": _usage(), **self.acc, **self.info, **extra})
         self.acc, self.info = {}, {}

@@ -255,15 +255,19 @@ def restore_optimizer(model: Any, optimizer: torch.optim.Optimizer, optim_sd: di
     set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_sd, options=StateDictOptions(full_state_dict=True))
 
 
-def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete checkpoints, oldest first. Temporary and half-written folders are ignored."""
+def _children(run_dir: str | os.PathLike, pattern: re.Pattern) -> list[tuple[Path, re.Match]]:
+    """The entries of ``run_dir/checkpoints`` whose name matches ``pattern``, with the match."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
+    return [(child, m) for child in root.iterdir() if (m := pattern.match(child.name))]
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first. Temporary and half-written folders are ignored."""
     found = []
-    for child in root.iterdir():
-        m = _STEP_RE.match(child.name)
-        if m and child.is_dir() and (child / STATE_FILE).is_file() and (child / TENSOR_FILE).is_file():
+    for child, m in _children(run_dir, _STEP_RE):
+        if child.is_dir() and (child / STATE_FILE).is_file() and (child / TENSOR_FILE).is_file():
             found.append((int(m.group(1)), child))
     return sorted(found)
 
@@ -446,14 +450,8 @@ def remove_stale_temps(run_dir: str | os.PathLike) -> list[Path]:
     Only rank 0 writes checkpoints, so a temp folder is stale unless this very process is writing
     it: one named with another pid, or older than this process (a reused pid). Returns what went.
     """
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
     gone = []
-    for child in root.iterdir():
-        m = _STALE_RE.match(child.name)
-        if m is None:
-            continue
+    for child, m in _children(run_dir, _STALE_RE):
         try:
             stale = int(m.group(2)) != os.getpid() or child.stat().st_mtime < _PROCESS_START
         except OSError:  # gone already

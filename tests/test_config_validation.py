@@ -10,15 +10,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from relign import distributed
-from relign.config import (
-    ConfigError,
-    check_divides,
-    check_fraction,
-    check_model_path,
-    check_non_negative,
-    check_positive,
-    load_config,
-)
+from relign.config import ConfigError, load_config
+from relign.checks import check_divides, check_fraction, check_model_path, check_non_negative, check_positive
 from relign.recipes import demo, preference, reward_model, rest_em, rl, sft, verifier
 from relign.recipes import eval as eval_recipe
 

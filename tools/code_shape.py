@@ -27,7 +27,7 @@ PACKAGE = "relign"
 # package. Why each floor is where it is: docs/architecture.md.
 FLOORS: list[tuple[str, ...]] = [
     ("relign.errors", "relign.algorithms"),                                           # 1: pure math, the error type
-    ("relign.config", "relign.distributed"),                                          # 2
+    ("relign.config", "relign.checks", "relign.distributed"),                        # 2
     ("relign.checkpoint", "relign.optim", "relign.tracking", "relign.data"),           # 3
     ("relign.envs", "relign.models", "relign.rundir", "relign.report"),                # 4
     ("relign.rollout", "relign.banner"),                                              # 5

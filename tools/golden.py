@@ -2,7 +2,14 @@
 through the real command line; its metrics and final weights recorded, and two recordings compared.
 
     python tools/golden.py record OUT.json [--only a,b] [--model /tmp/golden-model] [--repo PATH] [--keep DIR]
-    python tools/golden.py check REF.json NEW.json [--rtol 1e-6] [--atol A] [--only a,b] [--metrics-only]
+    python tools/golden.py check REF.json NEW.json [--rtol 1e-6] [--atol A] [--only a,b] [--metrics-only | --cross-cpu]
+
+Before and after a refactor, on one machine (the model: ``python -m relign tiny-model /tmp/golden-model
+--size micro --seed 0``, byte-identical on every build and CPU):
+
+    cd OLD_TREE && PYTHONPATH=$PWD python /path/to/tools/golden.py record /tmp/before.json
+    cd NEW_TREE && PYTHONPATH=$PWD python tools/golden.py record /tmp/after.json
+    python tools/golden.py check /tmp/before.json /tmp/after.json --rtol 0    # bitwise, weights too
 
 ``record`` runs ``python -m relign RECIPE relign/presets/NAME.yaml OVERRIDES...`` for each preset of
 ``PRESETS`` in a fresh process (OMP_NUM_THREADS=1, PYTHONPATH and working directory = the repository
@@ -30,13 +37,17 @@ separated parts is ``time``, ``perf``, ``seconds``, ``wall`` or ``stage_seconds`
 each number within ``|a - b| <= atol + rtol * max(|a|, |b|)`` (NaN equals NaN; strings and bools
 exactly), and equal weight hashes (unless ``--metrics-only``). ``atol`` defaults to ``rtol * 1e-3``:
 0 when rtol is 0 (bitwise), else a floor that keeps a value that is 0 up to rounding (a loss of
-3e-10 against 0) from failing on relative terms alone. One line per preset (``ok`` or the first
-difference with both values, and the largest relative difference seen), exit status 1 on any
-difference.
+3e-10 against 0) from failing on relative terms alone. ``--cross-cpu`` applies the suite's
+tolerance instead (``CROSS_CPU``: rtol 3e-3, atol 1e-6, larger floors for two noise-only metrics;
+weights not compared). One line per preset (``ok`` or the first difference with both values, and
+the largest relative difference seen, often a value that is 0 up to rounding), exit status 1 on
+any difference.
 
-Nothing of relign is imported (only its location is looked up): the same script records the code
-before and after a refactor. ``tests/e2e/test_golden_presets.py`` imports ``PRESETS``,
-``preset_args``, ``collect`` and ``compare`` from here.
+Run to run on one machine the recordings are bitwise equal (weights included); only the kernels'
+rounding differs across CPUs (see CROSS_CPU). Nothing of relign is imported (only its location is
+looked up), so the same script records the code before and after a refactor.
+``tests/e2e/test_golden_presets.py`` uses ``PRESETS``, ``preset_args``, ``model_cache``,
+``write_reward``, ``collect``, ``compare`` and ``CROSS_CPU`` from here.
 """
 
 from __future__ import annotations
@@ -63,8 +74,8 @@ from pathlib import Path
 LOG = ["logging.tensorboard=false", "logging.progress=false"]
 # SFT-shaped runs (sft, rm, verifier, the dpo family): 16 rows of the preset's data, a quarter held
 # out, 2 steps of 4 examples in micro-batches of 2, eval and a checkpoint after every step.
-SMALL = ["model.path={model}", "data.max_rows=16", "data.max_length=192", "data.eval_fraction=0.25", "batch_size=4", "micro_batch_size=2",
-         "max_steps=2", "eval_every=1", "checkpoint.save_every=1", *LOG]
+SMALL = ["model.path={model}", "data.max_rows=16", "data.max_length=192", "data.eval_fraction=0.25", "batch_size=4",
+         "micro_batch_size=2", "max_steps=2", "eval_every=1", "checkpoint.save_every=1", *LOG]
 # RL runs: 2 steps x 2 prompts x 2 samples of <= 8 tokens, rewards in-process, greedy eval of 2
 # problems of the task's test set and a checkpoint after every step. A random model scores 0 on
 # every built-in task, so every group's rewards are equal, every advantage is 0 and (without a KL
@@ -74,17 +85,22 @@ SMALL = ["model.path={model}", "data.max_rows=16", "data.max_length=192", "data.
 # dynamic sampling all see real numbers. Its P(Yes) is ~4e-4 (a random model): weight 1000 makes
 # the rewards ~0.4, so the rewards, the updates without std scaling (Dr. GRPO, RLOO, PPO, ...)
 # and their metrics are of order 1, where a relative tolerance means something.
-RL = ["model.path={model}", "max_steps=2", "prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8", "task.max_rows=8",
-      "task.reward_workers=0", "reward.model={model}", "reward.weight=1000", "checkpoint.save_every=1", "eval.every=1", "eval.max_rows=2",
-      *LOG]
+RL = ["model.path={model}", "max_steps=2", "prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8",
+      "task.max_rows=8", "task.reward_workers=0", "reward.model={model}", "reward.weight=1000",
+      "checkpoint.save_every=1", "eval.every=1", "eval.max_rows=2", *LOG]
+
+
+def _without(args: list[str], *prefixes: str) -> list[str]:
+    return [a for a in args if not a.startswith(prefixes)]
+
 
 PRESETS: dict[str, tuple[str, list[str]]] = {
     "sft_tiny": ("sft", [*SMALL]),
     "rm": ("rm", [*SMALL]),
-    # the verifier's data has no max_rows (256 graded solutions): 5% of them held out
-    # (and no eval_every: it evaluates at the end)
-    "verifier": ("verifier", [a for a in SMALL if not a.startswith(("data.max_rows", "data.eval_fraction", "eval_every"))]
-                 + ["data.eval_fraction=0.05"]),
+    # the verifier's data has no max_rows (256 graded solutions; 5% held out) and no eval_every
+    # (it evaluates at the end)
+    "verifier": ("verifier", [*_without(SMALL, "data.max_rows", "data.eval_fraction", "eval_every"),
+                              "data.eval_fraction=0.05"]),
     "dpo": ("dpo", [*SMALL]),
     "dpop": ("dpo", [*SMALL]),
     "ipo": ("dpo", [*SMALL]),
@@ -92,10 +108,10 @@ PRESETS: dict[str, tuple[str, list[str]]] = {
     "orpo": ("dpo", [*SMALL]),
     "simpo": ("dpo", [*SMALL]),
     "sdpo": ("dpo", [*SMALL]),
-    # multi-turn: no eval.every (relign rl refuses it with a multi-turn environment)
-    # and no reward.model either (refused with a multi-turn environment), and the environment's own
-    # reward ignores task.reward_fn: an entropy bonus makes the update run (what tests/e2e/test_cli_rl.py does)
-    "calculator_tool": ("rl", [a for a in RL if not a.startswith(("eval.", "reward."))] + ["algorithm.entropy_coef=0.01"]),
+    # Multi-turn: relign rl refuses eval.every and reward.model with a multi-turn environment, and
+    # the environment's own reward ignores task.reward_fn: an entropy bonus makes the update run
+    # (as in tests/e2e/test_cli_rl.py).
+    "calculator_tool": ("rl", [*_without(RL, "eval.", "reward."), "algorithm.entropy_coef=0.01"]),
     # the overlong window must fit in the token budget (8 here, 48 in the preset)
     "dapo": ("rl", [*RL, "algorithm.overlong_cache=4"]),
     "dr_grpo": ("rl", [*RL]),
@@ -108,22 +124,25 @@ PRESETS: dict[str, tuple[str, list[str]]] = {
     # VinePPO scores its Monte-Carlo continuations with the task's reward and refuses reward.model:
     # the task's reward is replaced by REWARD_SRC's text reward instead (the gsm8k prompts and the
     # preset's step delimiter stay). K = 2 continuations per step boundary instead of 9.
-    "vineppo": ("rl", [a for a in RL if not a.startswith("reward.")] + ["task.reward_fn={reward_fn}", "vine.k=2"]),
+    "vineppo": ("rl", [*_without(RL, "reward."), "task.reward_fn={reward_fn}", "vine.k=2"]),
     # One iteration. A random model solves nothing and never ends a completion by itself (a
-    # truncated one counts as failed), so as shipped the run stops before fine-tuning: a stop
-    # string ends completions early and threshold 0 keeps them, so the SFT, the validation and the
-    # checkpoint choice run too.
-    "rest_em": ("rest", ["model.path={model}", "iterations=1", "task.max_rows=8", "val.size=2", "rollout.n=2", "rollout.max_new_tokens=8",
-                         "rollout.stop=[e]", "threshold=0.0", "epochs=2", "batch_size=4", "micro_batch_size=2",
-                         "max_length=128", "task.reward_workers=0", *LOG]),
-    "eval_gsm8k": ("eval", ["model.path={model}", "task.max_rows=2", "n=2", "k=2", "max_new_tokens=8", "task.reward_workers=0", *LOG]),
-    "eval_search": ("eval", ["model.path={model}", "task.max_rows=2", "max_new_tokens=8", "search.step_max_tokens=4", "search.max_depth=2",
-                             "sweep.budgets=[16,32]", "task.reward_workers=0", *LOG]),
+    # truncated one counts as failed), so as shipped the run stops before fine-tuning. A stop
+    # string ("e", a frequent letter) ends completions early and threshold 0 keeps them, so the
+    # filter, the SFT of 2 epochs, the validation and the checkpoint choice run too.
+    "rest_em": ("rest", ["model.path={model}", "iterations=1", "task.max_rows=8", "val.size=2", "rollout.n=2",
+                         "rollout.max_new_tokens=8", "rollout.stop=[e]", "threshold=0.0", "epochs=2", "batch_size=4",
+                         "micro_batch_size=2", "max_length=128", "task.reward_workers=0", *LOG]),
+    "eval_gsm8k": ("eval", ["model.path={model}", "task.max_rows=2", "n=2", "k=2", "max_new_tokens=8",
+                            "task.reward_workers=0", *LOG]),
+    # the preset's four strategies at two budgets, on 2 problems
+    "eval_search": ("eval", ["model.path={model}", "task.max_rows=2", "max_new_tokens=8", "search.step_max_tokens=4",
+                             "search.max_depth=2", "sweep.budgets=[16,32]", "task.reward_workers=0", *LOG]),
     # tiny:micro is the golden model (RELIGN_CACHE), so the preset's own tiny-model path runs. Its
-    # GRPO stage gets the learned reward too (the arith reward is 0 for a 2-step warm start).
-    "demo": ("demo", ["demo.rl_overrides=[reward.model={model},reward.weight=1000]", "demo.model_size=micro", "demo.threads=1", "demo.train_problems=32", "demo.test_problems=2",
-                      "demo.sft_steps=2", "demo.sft_batch_size=4", "demo.steps=2", "demo.prompts_per_step=2",
-                      "demo.group_size=2", "demo.max_new_tokens=8", "demo.eval_samples=2", "demo.eval_every=1", *LOG]),
+    # GRPO stage gets the learned reward too (the arith reward is 0 after a 2-step warm start).
+    "demo": ("demo", ["demo.rl_overrides=[reward.model={model},reward.weight=1000]", "demo.model_size=micro",
+                      "demo.threads=1", "demo.train_problems=32", "demo.test_problems=2", "demo.sft_steps=2",
+                      "demo.sft_batch_size=4", "demo.steps=2", "demo.prompts_per_step=2", "demo.group_size=2",
+                      "demo.max_new_tokens=8", "demo.eval_samples=2", "demo.eval_every=1", *LOG]),
 }
 
 
@@ -236,7 +255,8 @@ def final_checkpoint(run: Path, recipe: str) -> Path | None:
 def collect(run: Path, recipe: str, *, weights: bool = True) -> dict:
     """The comparable content of a finished run directory: metrics, summaries, weight hashes."""
     run = Path(run)
-    metrics = {str(p.relative_to(run)): [_clean_row(r) for r in _read_jsonl(p)] for p in sorted(run.rglob("metrics.jsonl"))}
+    metrics = {str(p.relative_to(run)): [_clean_row(r) for r in _read_jsonl(p)]
+               for p in sorted(run.rglob("metrics.jsonl"))}
     summaries = {}
     for p in sorted(run.rglob("eval.json")):
         summaries[f"{p.relative_to(run)}:metrics"] = _clean_row(json.loads(p.read_text())["metrics"])
@@ -263,18 +283,21 @@ def collect(run: Path, recipe: str, *, weights: bool = True) -> dict:
 # token, eval answer or search path changed in any preset; weights differ in the last bits. The
 # largest relative difference of a metric was 4.4e-4 (ppo actor/loss -0.0011), 3.1e-4 (dpop
 # eval/dpop/penalty, a difference of two log-probs near -244), 3.0e-4 (rloo actor/grad_norm); the
-# rest <= 8e-5. rtol 3e-3 leaves a factor ~7. Values that are 0 up to rounding need an absolute
-# floor: actor/loss of the group-baseline losses (zero-mean advantages x ratio ~1; AdamW turns
-# gradients at noise level into lr-sized steps, so step 2's ratios differ): |diff| up to 3.6e-5
-# (grpo, gspo, dapo), floor 2e-4; actor/logp_mismatch(_max), engine-vs-trainer rounding itself,
-# multiples of one float32 ulp of a log-prob near -8 (4.8e-7), floor 1e-5; every other key:
-# 1e-6 (actor/kl ~8e-6 differed by 3.7e-8).
+# rest <= 8e-5. rtol 3e-3 leaves a factor of ~7-10. Values that are 0 up to rounding need an
+# absolute floor: actor/loss of the group-baseline losses (zero-mean advantages x ratio ~1; AdamW
+# turns gradients at noise level into lr-sized steps, so step 2's ratios differ): |diff| up to
+# 3.6e-5 (grpo, gspo, dapo), floor 2e-4; actor/logp_mismatch(_max), engine-vs-trainer rounding
+# itself, multiples of one float32 ulp of a log-prob near -8 (4.8e-7), floor 1e-5; every other
+# key 1e-6 (the largest need: actor/kl ~8e-6, off by 3.7e-8). Two threads instead of one (a
+# pytest run without -n) stay well inside it too.
 CROSS_CPU = {"rtol": 3e-3, "atol": 1e-6,
              "key_atol": {"actor/loss": 2e-4, "actor/logp_mismatch": 1e-5, "actor/logp_mismatch_max": 1e-5}}
 
+
 def _close(a, b, rtol: float, atol: float) -> tuple[bool, float]:
     """(equal within tolerance, relative difference) of two scalars."""
-    if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
+    if not numbers:  # strings, bools, None: exactly
         return a == b and type(a) is type(b), 0.0 if a == b else math.inf
     if math.isnan(a) or math.isnan(b):
         return math.isnan(a) and math.isnan(b), 0.0 if math.isnan(a) and math.isnan(b) else math.inf
@@ -308,8 +331,10 @@ def compare(ref: dict, new: dict, rtol: float = 1e-6, atol: float | None = None,
     ``key_atol``: larger absolute floors for some metric keys (CROSS_CPU's)."""
     atol = rtol * 1e-3 if atol is None else atol
     worst = [(0.0, "")]
-    if ref.get("returncode", 0) != new.get("returncode", 0):
-        return f"exit status {ref.get('returncode')} != {new.get('returncode')}", worst[0]
+    if ref.get("returncode", 0) != 0 or new.get("returncode", 0) != 0:
+        return f"a run failed: exit status {ref.get('returncode', 0)} (ref), {new.get('returncode', 0)} (new)", worst[0]
+    if "args" in ref and "args" in new and ref["args"] != new["args"]:
+        return f"recorded with other arguments: {ref['args']} != {new['args']}", worst[0]
     first = None
     if ref["metrics"].keys() != new["metrics"].keys():
         return f"metric files differ: {sorted(ref['metrics'])} != {sorted(new['metrics'])}", worst[0]
@@ -377,7 +402,8 @@ def cmd_record(a) -> int:
         run = tmp / name
         args = preset_args(name, str(model), str(run), reward_fn)
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "relign", *args], cwd=repo, env=env, capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "relign", *args], cwd=repo, env=env, capture_output=True,
+                              text=True)
         wall = time.perf_counter() - t0
         entry = {"recipe": PRESETS[name][0], "args": preset_args(name, "{model}", "{run_dir}"),
                  "returncode": proc.returncode, "wall_s": round(wall, 2)}
@@ -426,13 +452,16 @@ def cmd_check(a) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("record", help="run the presets and write their metrics and weight hashes")
     r.add_argument("out")
     r.add_argument("--only", default="", help="comma-separated preset names (default: all)")
-    r.add_argument("--model", default="/tmp/golden-model", help="tiny model folder (relign tiny-model OUT --size micro --seed 0)")
-    r.add_argument("--repo", default="", help="repository root of the relign under test (default: the importable one's)")
+    r.add_argument("--model", default="/tmp/golden-model",
+                   help="tiny model folder (relign tiny-model OUT --size micro --seed 0)")
+    r.add_argument("--repo", default="",
+                   help="repository root of the relign under test (default: the importable one's)")
     r.add_argument("--keep", default=None, help="keep the run directories under this folder")
     r.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the runs (the recordings use 1)")
     c = sub.add_parser("check", help="compare two recordings")
@@ -449,7 +478,8 @@ def main(argv=None) -> int:
     if a.cmd == "check":
         a.key_atol = None
         if a.cross_cpu:
-            a.rtol, a.atol, a.key_atol, a.metrics_only = CROSS_CPU["rtol"], CROSS_CPU["atol"], CROSS_CPU["key_atol"], True
+            a.rtol, a.atol, a.key_atol, a.metrics_only = (CROSS_CPU["rtol"], CROSS_CPU["atol"],
+                                                          CROSS_CPU["key_atol"], True)
     return cmd_record(a) if a.cmd == "record" else cmd_check(a)
 
 

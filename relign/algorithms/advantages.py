@@ -56,14 +56,8 @@ def _std(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.std(dim=dim, correction=1, keepdim=True)
 
 
-def group_advantages(
-    rewards: torch.Tensor,
-    group_size: int,
-    *,
-    baseline: str = "mean",
-    scale: str = "std",
-    eps: float = 1e-6,
-) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, *, baseline: str = "mean", scale: str = "std",
+                     eps: float = 1e-6) -> torch.Tensor:
     """Group-relative advantage of each sequence, [B] -> [B].
 
     baseline "mean":          b_i = 1/G sum_j r_j                     (GRPO 2402.03300)
@@ -155,16 +149,9 @@ def _masked_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: floa
     return returns
 
 
-def reinforce_pp_advantages(
-    token_rewards: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    gamma: float = 1.0,
-    group_size: int | None = None,
-    baseline: str = "none",
-    token_penalties: torch.Tensor | None = None,
-    eps: float = 1e-6,
-) -> torch.Tensor:
+def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0,
+                            group_size: int | None = None, baseline: str = "none",
+                            token_penalties: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """REINFORCE++ advantages (Hu, arXiv 2501.03262), [B, T] -> [B, T].
 
     token_rewards [B, T]: the task's rewards per token, the outcome on the last response token
@@ -212,13 +199,7 @@ def reinforce_pp_advantages(
     return masked_whiten(G_t, mask, scale_only=baseline == "group_mean", eps=eps)
 
 
-def gae(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    gamma: float = 1.0,
-    lam: float = 1.0,
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0, lam: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al., arXiv 1506.02438).
 
@@ -252,13 +233,8 @@ def gae(
     return A, returns
 
 
-def gdpo_advantages(
-    reward_components: torch.Tensor,
-    group_size: int,
-    weights: torch.Tensor | list[float] | None = None,
-    *,
-    eps: float = 1e-6,
-    batch_norm: bool = True,
+def gdpo_advantages(reward_components: torch.Tensor, group_size: int,
+                    weights: torch.Tensor | list[float] | None = None, *, eps: float = 1e-6, batch_norm: bool = True
 ) -> torch.Tensor:
     """GDPO advantages (Liu et al., arXiv 2601.05242), [B, K] -> [B].
 

@@ -58,14 +58,8 @@ def _clip_diagnostics(
     }
 
 
-def ppo_clip_loss(
-    logps: torch.Tensor,
-    old_logps: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
+def ppo_clip_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, *, clip_low: float = 0.2,
+                  clip_high: float = 0.2, dual_clip: float | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss per token (arXiv 1707.06347), see the module docstring.
 
@@ -107,15 +101,8 @@ def ppo_clip_loss(
     return loss, diag
 
 
-def gspo_loss(
-    logps: torch.Tensor,
-    old_logps: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def gspo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+              clip_low: float = 3e-4, clip_high: float = 4e-4) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO loss per token (Zheng et al., arXiv 2507.18071), in the paper's GSPO-token form.
 
     Sequence ratio (length-normalized, so it does not grow with |y_i|):
@@ -162,12 +149,7 @@ def _value_clipped(values: torch.Tensor, old_values: torch.Tensor, clip: float) 
     return old_values + (values - old_values).clamp(-clip, clip)
 
 
-def value_loss(
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    *,
-    clip: float | None = None,
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *, clip: float | None = None
 ) -> torch.Tensor:
     """Critic loss per token, [B, T].
 
@@ -187,11 +169,7 @@ def value_loss(
     return 0.5 * loss
 
 
-def value_clip_fraction(
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    clip: float,
+def value_clip_fraction(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float
 ) -> torch.Tensor:
     """Per token, 1.0 where the clipped term of ``value_loss`` is strictly the larger one (the
     gradient there is 0), else 0.0; [B, T]. ``aggregate(..., mask, "token-mean")`` of it is
@@ -209,12 +187,7 @@ def entropy_bonus_loss(entropy: torch.Tensor) -> torch.Tensor:
     return -entropy
 
 
-def truncated_is_weights(
-    old_logps: torch.Tensor,
-    sampling_logps: torch.Tensor,
-    *,
-    cap: float = 2.0,
-) -> torch.Tensor:
+def truncated_is_weights(old_logps: torch.Tensor, sampling_logps: torch.Tensor, *, cap: float = 2.0) -> torch.Tensor:
     """Truncated importance sampling weights (TIS; Yao et al. 2025, blog post "Your Efficient
     RL Framework Secretly Brings You Off-Policy RL Training", no arXiv id), [B, T].
 

@@ -87,12 +87,8 @@ def _smoothed_logistic_loss(h: torch.Tensor, label_smoothing: float) -> torch.Te
     return loss
 
 
-def _log_ratios(
-    chosen_logps: torch.Tensor,
-    rejected_logps: torch.Tensor,
-    ref_chosen_logps: torch.Tensor,
-    ref_rejected_logps: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _log_ratios(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+                ref_rejected_logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(pc - rc, pr - rr), each [B], in float32 at least, with the reference detached."""
     dtype = _dtype(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
     chosen_log_ratio = chosen_logps.to(dtype) - _target(ref_chosen_logps, dtype)  # [B]
@@ -100,14 +96,8 @@ def _log_ratios(
     return chosen_log_ratio, rejected_log_ratio
 
 
-def dpo_loss(
-    chosen_logps: torch.Tensor,
-    rejected_logps: torch.Tensor,
-    ref_chosen_logps: torch.Tensor,
-    ref_rejected_logps: torch.Tensor,
-    *,
-    beta: float = 0.1,
-    label_smoothing: float = 0.0,
+def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+             ref_rejected_logps: torch.Tensor, *, beta: float = 0.1, label_smoothing: float = 0.0
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPO loss per pair (Rafailov et al., arXiv 2305.18290, eq. 7), [B] -> [B].
 
@@ -134,14 +124,8 @@ def dpo_loss(
     return losses, _pair_metrics(beta * chosen_log_ratio, beta * rejected_log_ratio)
 
 
-def sdpo_loss(
-    chosen_step_logps: torch.Tensor,
-    rejected_step_logps: torch.Tensor,
-    ref_chosen_step_logps: torch.Tensor,
-    ref_rejected_step_logps: torch.Tensor,
-    *,
-    beta: float = 0.1,
-    label_smoothing: float = 0.0,
+def sdpo_loss(chosen_step_logps: torch.Tensor, rejected_step_logps: torch.Tensor, ref_chosen_step_logps: torch.Tensor,
+              ref_rejected_step_logps: torch.Tensor, *, beta: float = 0.1, label_smoothing: float = 0.0
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Step-level DPO (Step-DPO, Lai et al., arXiv 2406.18629), [B] -> [B].
 
@@ -152,24 +136,12 @@ def sdpo_loss(
     Kept as its own name so recipes and docs can say which objective they run; see
     ``dpo_loss`` for beta, label_smoothing and the metrics.
     """
-    return dpo_loss(
-        chosen_step_logps,
-        rejected_step_logps,
-        ref_chosen_step_logps,
-        ref_rejected_step_logps,
-        beta=beta,
-        label_smoothing=label_smoothing,
-    )
+    return dpo_loss(chosen_step_logps, rejected_step_logps, ref_chosen_step_logps, ref_rejected_step_logps, beta=beta,
+                    label_smoothing=label_smoothing)
 
 
-def ipo_loss(
-    chosen_logps: torch.Tensor,
-    rejected_logps: torch.Tensor,
-    ref_chosen_logps: torch.Tensor,
-    ref_rejected_logps: torch.Tensor,
-    *,
-    beta: float = 0.1,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def ipo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+             ref_rejected_logps: torch.Tensor, *, beta: float = 0.1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """IPO loss per pair (Azar et al., arXiv 2310.12036), [B] -> [B].
 
         h = (pc - rc) - (pr - rr)          (no beta inside)
@@ -196,14 +168,8 @@ def ipo_loss(
     return losses, _pair_metrics(beta * chosen_log_ratio, beta * rejected_log_ratio)
 
 
-def dpop_loss(
-    chosen_logps: torch.Tensor,
-    rejected_logps: torch.Tensor,
-    ref_chosen_logps: torch.Tensor,
-    ref_rejected_logps: torch.Tensor,
-    *,
-    beta: float = 0.1,
-    lambda_dpop: float = 50.0,
+def dpop_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+              ref_rejected_logps: torch.Tensor, *, beta: float = 0.1, lambda_dpop: float = 50.0
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPO-Positive loss per pair (Pal et al., arXiv 2402.13228, "Smaug"), [B] -> [B].
 
@@ -230,14 +196,8 @@ def dpop_loss(
     return losses, metrics
 
 
-def simpo_loss(
-    chosen_logps: torch.Tensor,
-    rejected_logps: torch.Tensor,
-    *,
-    beta: float = 2.0,
-    gamma: float = 0.5,
-    label_smoothing: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def simpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, *, beta: float = 2.0, gamma: float = 0.5,
+               label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SimPO loss per pair (Meng et al., arXiv 2405.14734), [B] -> [B].
 
         h = beta avg_c - beta avg_r - gamma
@@ -273,13 +233,8 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(near_zero, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-def orpo_loss(
-    chosen_logps: torch.Tensor,
-    rejected_logps: torch.Tensor,
-    chosen_nll: torch.Tensor | None = None,
-    *,
-    lam: float = 0.1,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def orpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_nll: torch.Tensor | None = None, *,
+              lam: float = 0.1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """ORPO loss per pair (Hong et al., arXiv 2403.07691), [B] -> [B].
 
         log odds(y) = log p - log(1 - p),   p = exp(avg),  avg = 1/|y| log pi(y | x)
@@ -336,16 +291,9 @@ def kto_reference_point(policy_kl_logps: torch.Tensor, ref_kl_logps: torch.Tenso
     return log_ratio.mean().clamp(min=0.0)
 
 
-def kto_loss(
-    policy_logps: torch.Tensor,
-    ref_logps: torch.Tensor,
-    is_desirable: torch.Tensor,
-    kl_ref: torch.Tensor | float,
-    *,
-    beta: float = 0.1,
-    desirable_weight: float = 1.0,
-    undesirable_weight: float = 1.0,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, is_desirable: torch.Tensor,
+             kl_ref: torch.Tensor | float, *, beta: float = 0.1, desirable_weight: float = 1.0,
+             undesirable_weight: float = 1.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KTO loss per (unpaired) example (Ethayarajh et al., arXiv 2402.01306), [B] -> [B].
 
         r  = log pi(y | x) - log pi_ref(y | x)                      (summed log-probs [B])
@@ -372,12 +320,8 @@ def kto_loss(
     return losses, metrics
 
 
-def bradley_terry_loss(
-    chosen_rewards: torch.Tensor,
-    rejected_rewards: torch.Tensor,
-    *,
-    margin: torch.Tensor | float | None = None,
-    center_coef: float = 0.0,
+def bradley_terry_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, *,
+                       margin: torch.Tensor | float | None = None, center_coef: float = 0.0
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Pairwise reward-model loss per pair, [B] -> [B].
 

@@ -17,7 +17,7 @@ from typing import TextIO
 
 from ..rollout.engine import SamplingParams
 from ..rollout.hf_engine import HFEngine
-from ._common import CommandError, Parser
+from ._common import MODEL_HELP, CommandError, Parser, add_model_args
 from .inference import load_for_inference
 
 HELP = "commands: /reset forgets the conversation, /exit quits (so does end of input, Ctrl-D)"
@@ -118,15 +118,13 @@ def repl(session: ChatSession, lines: Iterable[str], out: TextIO = sys.stdout) -
 
 def main(argv: list[str]) -> int:
     p = Parser("chat", description="Talk to a model with its chat template. " + HELP + ".")
-    p.add_argument("model", metavar="MODEL", help="model folder, hub id, tiny:SIZE, or a run directory (its newest checkpoint)")
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     p.add_argument("--system", default="", help="system prompt")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply in tokens (default 256)")
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1 = off)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling stream (default 0)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
-    p.add_argument("--trust-remote-code", action="store_true", help="let a hub model run its own code")
+    add_model_args(p)
     a = p.parse_args(argv)
     if a.max_new_tokens < 1:
         raise CommandError(f"--max-new-tokens must be at least 1, got {a.max_new_tokens}")

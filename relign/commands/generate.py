@@ -25,7 +25,7 @@ from ..models.loading import load_tokenizer, resolve_model_path
 from ..rollout.engine import SamplingParams, derive_seed, eos_token_ids
 from ..rollout.hf_engine import HFEngine
 from ..rollout.vllm_engine import VLLMEngine, import_vllm
-from ._common import CommandError, Parser
+from ._common import MODEL_HELP, CommandError, Parser, add_model_args
 from .chat import encode, render
 from .inference import load_for_inference, resolve_model_arg
 
@@ -127,7 +127,7 @@ def _vllm_engine(path: str, tokenizer, prompts: list[list[int]], params, *, seed
 
 def main(argv: list[str]) -> int:
     p = Parser("generate", description="Batch generation: one JSONL row per completion (see docs/commands.md).")
-    p.add_argument("model", metavar="MODEL", help="model folder, hub id, tiny:SIZE, or a run directory (its newest checkpoint)")
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     p.add_argument("prompts", metavar="PROMPTS", help="JSONL (or .json/.csv/.parquet) rows with 'prompt' or 'messages'")
     p.add_argument("--out", default="", help="output JSONL; '-' for stdout (default: PROMPTS' folder, NAME.generated.jsonl)")
     p.add_argument("--n", type=int, default=1, help="completions per prompt (default 1)")
@@ -141,9 +141,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="hf (built in) or vllm (pip install \"relign[vllm]\", see docs/rl.md)")
     p.add_argument("--chat", action="store_true", help="wrap string prompts in the chat template as a user turn")
     p.add_argument("--system", default="", help="system prompt for chat-templated prompts")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (hf engine; vLLM picks its own)")
-    p.add_argument("--trust-remote-code", action="store_true", help="let a hub model run its own code")
+    add_model_args(p, device_help="auto, cpu, cuda, cuda:1 ... (hf engine; vLLM picks its own)")
     a = p.parse_args(argv)
     for flag, value in (("--n", a.n), ("--batch-size", a.batch_size), ("--max-new-tokens", a.max_new_tokens)):
         if value < 1:

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ConfigError
+from ..config import ConfigError, load_config
 from ..recipes import RECIPES
 from ._common import fail
 
@@ -128,6 +128,16 @@ def resolve_config_arg(command: str, argv: list[str]) -> list[str]:
         raise ConfigError(f"{arg} is a preset of `relign {header[0]}`, not `relign {command}`; run: relign {header[0]} {arg}")
     rest = argv[:idx] + argv[idx + 1 :]
     return [str(path), *package_overrides(path), *rest]
+
+
+def load_preset(cls: type, name: str, overrides: list[str] | tuple = ()):
+    """The config of the shipped preset ``name`` (``relign presets`` lists them) with ``overrides``
+    on top, as ``relign RECIPE NAME k=v ...`` builds it from any folder: the preset's shipped data
+    paths point at the installed package. ``rl.train(load_preset(rl.Config, "grpo", ["max_steps=2"]))``."""
+    preset = find_preset(name)
+    if preset is None:
+        raise ConfigError(f"no preset named '{name}'{_suggest(name)}; `relign presets` lists the presets")
+    return load_config(cls, preset.path, [*package_overrides(preset.path), *overrides])
 
 
 def format_table(presets: list[Preset]) -> str:

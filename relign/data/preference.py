@@ -23,6 +23,7 @@ which lets the trainer run the prompt once for both (``shared_prefix_token_logps
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,6 +226,26 @@ def _fit(ids: list[int], mask: list[int], plen: int, max_length: int, policy: st
     return ids[:max_length], mask[:max_length], "truncated"
 
 
+def _read(path: str, split: str, *, truncation: str, max_length: int, max_rows: int, skip_bad_rows: bool, key: str | None,
+          check_columns: Callable[[dict], None]) -> tuple[DataStats, Iterator[tuple[int, Any]]]:
+    """A preference file's read: its stats, and its rows (each counted); a table's first row is
+    checked for the columns the reader needs (``check_columns``), before any row is used."""
+    if truncation not in TRUNCATION:
+        raise DataError(path, None, None, f"unknown truncation policy {truncation!r} (use {' or '.join(TRUNCATION)})")
+    stats = DataStats(source=path, max_length=max_length, truncation=truncation)
+
+    def rows() -> Iterator[tuple[int, Any]]:
+        tabular = is_tabular(path)
+        for row, raw in read_records(path, split, max_rows=max_rows, on_bad_row=stats.on_bad_row(skip_bad_rows), key=key):
+            if tabular and isinstance(raw, dict):
+                check_columns(raw)
+                tabular = False
+            stats.rows += 1
+            yield row, raw
+
+    return stats, rows()
+
+
 def build_pair_examples(
     path: str, tokenizer, *, split: str = "train", max_length: int = 1024, truncation: str = "truncate",
     skip_bad_rows: bool = False, prompt_key: str = "prompt", chosen_key: str = "chosen", rejected_key: str = "rejected",
@@ -238,17 +259,14 @@ def build_pair_examples(
     or dropped. A table with the wrong columns, or a file with no usable pair, raises
     DataError even with ``skip_bad_rows``. ``key`` (``data.path``) is named in errors about
     the path itself."""
-    if truncation not in TRUNCATION:
-        raise DataError(path, None, None, f"unknown truncation policy {truncation!r} (use {' or '.join(TRUNCATION)})")
-    stats = DataStats(source=path, max_length=max_length, truncation=truncation)
+    def check_columns(raw: dict) -> None:
+        needed, expected = pair_columns(chosen_key, rejected_key, prompt_key)
+        require_columns(raw, path, needed <= set(raw), expected)
+
+    stats, rows = _read(path, split, truncation=truncation, max_length=max_length, max_rows=max_rows,
+                        skip_bad_rows=skip_bad_rows, key=key, check_columns=check_columns)
     out: list[PairExample] = []
-    check_columns = is_tabular(path)
-    for row, raw in read_records(path, split, max_rows=max_rows, on_bad_row=stats.on_bad_row(skip_bad_rows), key=key):
-        if check_columns and isinstance(raw, dict):
-            needed, expected = pair_columns(chosen_key, rejected_key, prompt_key)
-            require_columns(raw, path, needed <= set(raw), expected)
-            check_columns = False
-        stats.rows += 1
+    for row, raw in rows:
         try:
             rec = normalize_pair(raw, path, row, prompt_key=prompt_key, chosen_key=chosen_key,
                                  rejected_key=rejected_key, prefix_key=prefix_key)
@@ -283,18 +301,15 @@ def build_unpaired_examples(
     max_rows: int = 0, key: str | None = None,
 ) -> tuple[list[UnpairedExample], DataStats]:
     """Read a KTO file: unpaired rows, or pairs split into a desirable and an undesirable row."""
-    if truncation not in TRUNCATION:
-        raise DataError(path, None, None, f"unknown truncation policy {truncation!r} (use {' or '.join(TRUNCATION)})")
-    stats = DataStats(source=path, max_length=max_length, truncation=truncation)
+    def check_columns(raw: dict) -> None:
+        ok = unpaired_columns_ok(raw, completion_key, label_key, chosen_key, rejected_key)
+        require_columns(raw, path, ok, f"'{prompt_key}', '{completion_key}' and '{label_key}' (or paired "
+                                       f"'{prompt_key}', '{chosen_key}' and '{rejected_key}')")
+
+    stats, rows = _read(path, split, truncation=truncation, max_length=max_length, max_rows=max_rows,
+                        skip_bad_rows=skip_bad_rows, key=key, check_columns=check_columns)
     out: list[UnpairedExample] = []
-    check_columns = is_tabular(path)
-    for row, raw in read_records(path, split, max_rows=max_rows, on_bad_row=stats.on_bad_row(skip_bad_rows), key=key):
-        if check_columns and isinstance(raw, dict):
-            ok = unpaired_columns_ok(raw, completion_key, label_key, chosen_key, rejected_key)
-            require_columns(raw, path, ok, f"'{prompt_key}', '{completion_key}' and '{label_key}' (or paired "
-                                           f"'{prompt_key}', '{chosen_key}' and '{rejected_key}')")
-            check_columns = False
-        stats.rows += 1
+    for row, raw in rows:
         try:
             if isinstance(raw, dict) and completion_key not in raw and chosen_key in raw:
                 pair = normalize_pair(raw, path, row, prompt_key=prompt_key, chosen_key=chosen_key, rejected_key=rejected_key)

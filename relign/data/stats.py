@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import sys
-
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field

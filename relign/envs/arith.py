@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from relign.data.readers import DataError
-from relign.envs.base import Task, builtin_task, combine
+from relign.envs.base import Task, builtin_task
+from relign.envs.reward_fn import combine
 from relign.envs.safe_arith import ArithError, evaluate
 
 NAME = "arith"

@@ -65,7 +65,7 @@ def answer_correct(text: str, answer: Any) -> bool:
 
 
 class CalculatorEnv:
-    """Implements ``relign.envs.multiturn.Env``; stateless, so one instance serves all episodes."""
+    """Implements ``relign.envs.env.Env``; stateless, so one instance serves all episodes."""
 
     async def step(self, state: str, action: str, extra_info: dict) -> dict:
         answers = _ANSWER.findall(action)

@@ -20,7 +20,8 @@ from fractions import Fraction
 from typing import Any
 
 from relign.data.readers import DataError
-from relign.envs.base import DATA_DIR, Task, builtin_task, combine
+from relign.envs.base import DATA_DIR, Task, builtin_task
+from relign.envs.reward_fn import combine
 from relign.envs.safe_arith import ArithError, analyze
 
 NAME = "countdown"

@@ -18,7 +18,8 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from relign.data.readers import DataError
-from relign.envs.base import DATA_DIR, Task, builtin_task, combine
+from relign.envs.base import DATA_DIR, Task, builtin_task
+from relign.envs.reward_fn import combine
 
 NAME = "gsm8k"
 DEFAULT_PATH = str(DATA_DIR / "gsm8k_test.jsonl")

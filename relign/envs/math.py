@@ -36,7 +36,8 @@ import threading
 from typing import Any
 
 from relign.data.readers import DataError
-from relign.envs.base import DATA_DIR, Task, builtin_task, combine
+from relign.envs.base import DATA_DIR, Task, builtin_task
+from relign.envs.reward_fn import combine
 
 NAME = "math"
 DEFAULT_PATH = str(DATA_DIR / "math500_test.jsonl")

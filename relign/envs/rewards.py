@@ -54,13 +54,12 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from relign.envs.base import (
+from relign.envs.base import Task, load_function
+from relign.envs.reward_fn import (
     REWARD_STYLES,
     RewardResult,
-    Task,
     call_batch,
     detect_reward_style,
-    load_function,
     normalize_batch,
     normalize_reward,
 )

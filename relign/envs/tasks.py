@@ -18,7 +18,8 @@ from typing import Any
 
 from relign.envs import calculator, countdown, gsm8k
 from relign.envs import math as math_task
-from relign.envs.base import Task, detect_reward_style, load_function, make_custom_task
+from relign.envs.base import Task, load_function, make_custom_task
+from relign.envs.reward_fn import detect_reward_style
 from relign.errors import ConfigError
 
 

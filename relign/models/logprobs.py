@@ -85,15 +85,9 @@ def entropy_from_logits(
     return torch.cat(out).reshape(shape)
 
 
-def shifted_token_logps(
-    logits: torch.Tensor,
-    input_ids: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def shifted_token_logps(logits: torch.Tensor, input_ids: torch.Tensor, *, temperature: float = 1.0,
+                        with_entropy: bool = False, entropy_grad: bool = False,
+                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Align next-token predictions with the tokens they score.
 
     Returns ``logps`` [B, T] with ``logps[:, t] = log p(input_ids[:, t] | input_ids[:, :t])``
@@ -121,18 +115,10 @@ def right_padded(attention_mask: torch.Tensor) -> bool:
     return bool((m[:, 1:] <= m[:, :-1]).all())
 
 
-def token_logps(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    *,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-    target_mask: torch.Tensor | None = None,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, temperature: float = 1.0, with_entropy: bool = False,
+                entropy_grad: bool = False, target_mask: torch.Tensor | None = None,
+                chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the model and return (logps [B, T], entropy [B, T] or None), see shifted_token_logps.
 
     ``target_mask`` [B, T]: score only these tokens (the rest get 0). The LM head and the
@@ -182,18 +168,10 @@ def token_logps(
     return logps, ent
 
 
-def shared_prefix_token_logps(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    prompt_lens: torch.Tensor,
-    group_size: int,
-    *,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def shared_prefix_token_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                              prompt_lens: torch.Tensor, group_size: int, *, temperature: float = 1.0,
+                              with_entropy: bool = False, entropy_grad: bool = False,
+                              chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``token_logps`` for rows that come in groups sharing one prompt, computing each prompt once.
 
     input_ids / attention_mask [N, L]: rows ``[prompt | response | pad]``, right-padded, in
@@ -266,18 +244,10 @@ def prompt_prefix(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
     return PromptPrefix([x.keys for x in layers], [x.values for x in layers], pre_mask, out.logits[:, -1:])
 
 
-def response_token_logps(
-    model: torch.nn.Module,
-    prefix: PromptPrefix,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    prompt_lens: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def response_token_logps(model: torch.nn.Module, prefix: PromptPrefix, input_ids: torch.Tensor,
+                         attention_mask: torch.Tensor, prompt_lens: torch.Tensor, *, temperature: float = 1.0,
+                         with_entropy: bool = False, entropy_grad: bool = False,
+                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) [N, L] of the responses of rows ``[prompt | response | pad]``,
     run against ``prefix`` (one prompt per row, already repeated), in the full-row layout."""
     from transformers import DynamicCache

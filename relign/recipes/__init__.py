@@ -1,4 +1,7 @@
-"""One file per training method. Each exposes ``Config`` (a dataclass) and ``train(cfg) -> RunResult``."""
+"""The recipes: one module per method (RL's loop keeps its config, update and advantages in three
+files beside it: rl_config.py, rl_update.py, rl_advantages.py). Each recipe module exposes
+``Config`` (a dataclass) and ``train(cfg) -> RunResult``, and runs in the frame of ``frame.py``
+with the components ``build.py`` makes."""
 
 from __future__ import annotations
 

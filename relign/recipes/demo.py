@@ -11,7 +11,8 @@
                 problems. Only a correct answer is rewarded; on 4-6 step problems a bare answer
                 is usually wrong, so the policy learns to work step by step (and to slip less)
     6. eval     the same problems with the same sampling seeds
-    7. report   before/after table, demo.json, report.html
+    7. report   before/after table, demo.json, report.html (opening with the GRPO reward curve, held-out
+                accuracy over the GRPO steps and the before/after bars)
 
 Every stage is a real recipe run or eval in its own sub-directory (sft/, eval_before/, rl/,
 eval_after/) with its resolved config, so any stage can be inspected or rerun alone, e.g.
@@ -35,16 +36,8 @@ import torch
 
 from .. import banner, distributed, rundir
 from ..checkpoint import atomic_write_text, list_checkpoints
-from ..config import (
-    ConfigError,
-    LoggingConfig,
-    ModelConfig,
-    check_choice,
-    check_model_path,
-    check_non_negative,
-    check_wandb,
-    load_config,
-)
+from ..checks import check_choice, check_model_path, check_non_negative, check_wandb
+from ..config import ConfigError, LoggingConfig, ModelConfig, load_config
 from ..envs import arith
 from ..envs.tasks import get_task, is_multi_turn
 from ..evaluate import evaluate, write_samples
@@ -121,8 +114,8 @@ class DemoConfig:
     """Longest completion in GRPO and eval (0 = 64 for arith, 512 for other tasks)."""
     eval_samples: int = 8
     """Samples per held-out problem at temperature 1; accuracy is their mean correctness (pass@1)."""
-    eval_every: int = 150
-    """Also evaluate during GRPO every N steps (logged as eval/* in rl/metrics.jsonl; 0 = off)."""
+    eval_every: int = 50
+    """Also evaluate during GRPO every N steps (eval/* in rl/metrics.jsonl: report.html's accuracy curve; 0 = off)."""
     sft_overrides: list[str] = field(default_factory=list)
     """More key=value settings for the SFT stage (see relign sft --help), applied last."""
     rl_overrides: list[str] = field(default_factory=list)

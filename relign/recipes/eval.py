@@ -28,19 +28,8 @@ from typing import Any
 
 from .. import banner
 from ..checkpoint import atomic_write_text
-from ..config import (
-    ConfigError,
-    LoggingConfig,
-    RunFields,
-    TaskConfig,
-    VllmConfig,
-    check_choice,
-    check_fraction,
-    check_model_path,
-    check_non_negative,
-    check_positive,
-    check_wandb,
-)
+from ..checks import check_choice, check_fraction, check_model_path, check_non_negative, check_positive, check_wandb
+from ..config import ConfigError, LoggingConfig, RunFields, TaskConfig, VllmConfig
 from ..envs.base import Task
 from ..envs.rewards import RewardPool
 from ..envs.tasks import build_task, encode_problems

@@ -31,13 +31,8 @@ import torch
 
 from .. import banner, distributed
 from ..checkpoint import (
-    gather_train_state,
-    load_model_weights,
-    resolve_resume,
-    resume_training,
-    save_checkpoint,
-    save_final,
-    seed_everything,
+    gather_train_state, load_model_weights, resolve_resume, resume_training, save_checkpoint, save_final,
+    seed_everything
 )
 from ..data.collate import StepSampler
 from ..models.loading import resolve_device, trainable_parameters
@@ -168,10 +163,12 @@ def schedule(cfg: Any, rows: int) -> tuple[int, int]:
     return cfg.max_steps or max(1, int(math.ceil(cfg.epochs * steps_per_epoch))), steps_per_epoch
 
 
-def offline_facts(run: Run, total_steps: int, steps_per_epoch: int, *, read: int, train: int, eval_rows: int, unit: str,
-                  made: str = "", **extra: Any) -> dict[str, Any]:
-    """What the start banner and ``--dry-run`` say about an offline trainer's data and length."""
+def offline_facts(run: Run, total_steps: int, steps_per_epoch: int, data_metrics: dict[str, float], *, train: int,
+                  eval_rows: int, unit: str, made: str = "", **extra: Any) -> dict[str, Any]:
+    """What the start banner and ``--dry-run`` say about an offline trainer's data (the rows read,
+    from its ``data/*`` counts; the examples kept) and its length."""
     cfg = run.cfg
+    read = int(data_metrics["data/rows"] + data_metrics.get("data/eval_rows", 0))
     return dict(run_dir=run.run_dir, device=run.device, **extra,
                 data=banner.data_line(read, train, eval_rows, made=made),
                 steps=banner.steps_line(total_steps, max_steps=cfg.max_steps, epochs=cfg.epochs,

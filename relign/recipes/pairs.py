@@ -9,9 +9,9 @@ import torch
 
 from .. import distributed
 from ..config import PreferenceDataConfig
-from ..errors import ConfigError
 from ..data.preference import PairExample, UnpairedExample, build_pair_examples, build_unpaired_examples
 from ..data.stats import announce
+from ..errors import ConfigError
 from ..models import varlen
 from ..models.logprobs import shared_prefix_token_logps, token_logps
 from ..models.varlen import continuation_starts, pack_index

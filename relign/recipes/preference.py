@@ -35,19 +35,10 @@ from safetensors.torch import save_file
 
 from .. import banner, distributed
 from ..algorithms import preference as P
-from ..config import (
-    BatchFields,
-    ConfigError,
-    OptimConfig,
-    PreferenceDataConfig,
-    check_choice,
-    check_common,
-    check_divides,
-    check_model_path,
-    check_non_negative,
-    check_positive,
-    check_rows,
+from ..checks import (
+    check_choice, check_common, check_divides, check_model_path, check_non_negative, check_positive, check_rows
 )
+from ..config import BatchFields, ConfigError, OptimConfig, PreferenceDataConfig
 from ..data.collate import chunks, shard
 from ..data.preference import TRUNCATION, UnpairedExample
 from ..models import varlen
@@ -459,9 +450,8 @@ def train(cfg: Config) -> RunResult:
     sets, data_metrics = _load_sets(cfg, tok)
     train_set, eval_set = sets["train"], sets["eval"]
     total_steps, per_epoch = frame.schedule(cfg, len(train_set))
-    facts = frame.offline_facts(run, total_steps, per_epoch, read=int(data_metrics["data/rows"] + data_metrics.get(
-        "data/eval_rows", 0)), train=len(train_set), eval_rows=len(eval_set), unit="examples" if kto else "pairs",
-        made="examples" if kto else "")
+    facts = frame.offline_facts(run, total_steps, per_epoch, data_metrics, train=len(train_set), eval_rows=len(eval_set),
+                                unit="examples" if kto else "pairs", made="examples" if kto else "")
     banner.dry_run("dpo", cfg, **facts)  # --dry-run stops here, before any weights are read
     policy = build.load_policy(m, run.device)
     # packed rows run sequence by sequence (relign.models.varlen); a pair's prompt runs once, its

@@ -40,20 +40,8 @@ import torch
 
 from .. import banner, distributed, rundir
 from ..checkpoint import atomic_write_text, list_checkpoints, load_model_weights, seed_everything
-from ..config import (
-    CheckpointConfig,
-    ConfigError,
-    DataConfig,
-    OptimConfig,
-    RunFields,
-    TaskConfig,
-    check_choice,
-    check_common,
-    check_fraction,
-    check_model_path,
-    check_non_negative,
-    check_positive,
-)
+from ..checks import check_choice, check_common, check_fraction, check_model_path, check_non_negative, check_positive
+from ..config import CheckpointConfig, ConfigError, DataConfig, OptimConfig, RunFields, SamplingConfig, TaskConfig
 from ..envs.rewards import RewardPool
 from ..envs.tasks import encode_problems
 from ..evaluate import evaluate
@@ -68,21 +56,12 @@ STATE_FILE = "rest_state.json"
 
 
 @dataclass
-class RolloutConfig:
-    n: int = 8
-    """Completions sampled per training prompt each iteration (the spec's default; the paper, as recalled: 32)."""
+class RolloutConfig(SamplingConfig):
+    """rollout.n completions per training prompt each iteration (the spec's default 8; the paper, as recalled: 32);
+    a truncated one counts as failed."""
+
     temperature: float = 0.6
     """Sampling temperature (> 0 when n > 1)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass (1 = off)."""
-    top_k: int = 0
-    """Top-k sampling (0 = off)."""
-    max_new_tokens: int = 256
-    """Longest completion; a completion cut here is truncated and counts as failed."""
-    stop: list[str] = field(default_factory=list)
-    """Stop strings (a completion ending at one counts as finished; the text is cut before it)."""
-    max_batch_rows: int = 256
-    """Most sequences the engine decodes at once."""
 
 
 @dataclass

@@ -23,19 +23,10 @@ import torch
 
 from .. import banner, distributed
 from ..algorithms.preference import bradley_terry_loss
-from ..config import (
-    BatchFields,
-    ConfigError,
-    OptimConfig,
-    PreferenceDataConfig,
-    check_choice,
-    check_common,
-    check_divides,
-    check_model_path,
-    check_non_negative,
-    check_positive,
-    check_rows,
+from ..checks import (
+    check_choice, check_common, check_divides, check_model_path, check_non_negative, check_positive, check_rows
 )
+from ..config import BatchFields, ConfigError, OptimConfig, PreferenceDataConfig
 from ..data.collate import chunks, shard
 from ..data.preference import TRUNCATION
 from ..models.loading import load_model_tokenizer
@@ -114,8 +105,8 @@ def train(cfg: Config) -> RunResult:
     train_set, eval_set, data_metrics = load_examples(cfg.data, tok, seed=cfg.seed)
     check_rows(len(train_set), cfg.batch_size, what=f"data.path={cfg.data.path}")
     total_steps, per_epoch = frame.schedule(cfg, len(train_set))
-    facts = frame.offline_facts(run, total_steps, per_epoch, read=int(data_metrics["data/rows"] + data_metrics.get(
-        "data/eval_rows", 0)), train=len(train_set), eval_rows=len(eval_set), unit="pairs", kind="seq_cls")
+    facts = frame.offline_facts(run, total_steps, per_epoch, data_metrics, train=len(train_set), eval_rows=len(eval_set),
+                                unit="pairs", kind="seq_cls")
     banner.dry_run("rm", cfg, **facts)  # --dry-run stops here, before any weights are read
     model = build.load_reward(cfg.model, run.device, tok.pad_token_id)
     banner.start("rm", cfg, model=model, **facts)  # parameters counted before FSDP shards them

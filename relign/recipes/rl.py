@@ -49,21 +49,13 @@ from ..rollout.vine import AdaptiveK, VineEpisode, mc_step_values
 from ..rollout.weights import engine_weights
 from ..tracking import StageClock, Tracker
 from . import RunResult, build, frame
+from .rl_advantages import ESTIMATORS, AdvantageOptions, Estimator, Rewards, shaped_rewards
 # the recipe's config lives beside it (rl_config.py); rl.Config & co. stay its public names
 from .rl_config import (  # noqa: F401
-    AlgorithmConfig,
-    Config,
-    CriticConfig,
-    EvalDuringTrainingConfig,
-    LearnedRewardConfig,
-    RolloutConfig,
-    TaskConfig,
-    TrpoConfig,
-    VineConfig,
-    check_eval_during_training,
+    AlgorithmConfig, Config, CriticConfig, EvalDuringTrainingConfig, LearnedRewardConfig, RolloutConfig, TaskConfig,
+    TrpoConfig, VineConfig, check_eval_during_training
 )
 from .rl_config import check as _check
-from .rl_advantages import ESTIMATORS, AdvantageOptions, Estimator, Rewards, shaped_rewards
 from .rl_update import ActorLoss, Layout, Stats, plan, score_logps, score_values, trpo_update, update_critic, update_policy
 
 

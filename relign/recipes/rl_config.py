@@ -13,19 +13,8 @@ from dataclasses import dataclass, field
 
 from .. import distributed
 from ..algorithms.aggregation import MODES
-from ..config import (
-    ConfigError,
-    OptimConfig,
-    TaskConfig,
-    TrainFields,
-    VllmConfig,
-    check_choice,
-    check_common,
-    check_fraction,
-    check_model_path,
-    check_non_negative,
-    check_positive,
-)
+from ..checks import check_choice, check_common, check_fraction, check_model_path, check_non_negative, check_positive
+from ..config import ConfigError, OptimConfig, SamplingConfig, TaskConfig, TrainFields, VllmConfig
 from ..rollout.engine import ENGINES
 from ..rollout.vllm_engine import check_vllm
 from .rl_advantages import ESTIMATORS
@@ -33,32 +22,18 @@ from .rl_update import POLICY_LOSSES
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(SamplingConfig):
     engine: str = "hf"
     """Inference engine: hf (built in, shares the policy's weights in one process) or vllm
     (colocated vLLM, weights synced in place after every update; pip install "relign[vllm]")."""
-    n: int = 8
-    """Completions per prompt (group size G)."""
-    temperature: float = 1.0
-    """Sampling temperature (the trainer scores log-probs at the same temperature); must be > 0."""
-    top_p: float = 1.0
-    """Nucleus sampling mass (1 = off)."""
-    top_k: int = 0
-    """Top-k sampling (0 = off)."""
-    max_new_tokens: int = 256
-    """Longest completion (per turn in multi-turn rollouts)."""
     max_response_tokens: int = 0
     """Multi-turn: cap on model + environment tokens after the prompt (0 = max_new_tokens x max_turns)."""
     min_new_tokens: int = 0
     """Forbid EOS before this many tokens."""
     ignore_eos: bool = False
     """Generate exactly max_new_tokens (benchmarks)."""
-    stop: list[str] = field(default_factory=list)
-    """Stop strings."""
     max_turns: int = 1
     """Model turns per episode with a multi-turn environment (task.env, or a task that has one)."""
-    max_batch_rows: int = 256
-    """Most sequences the engine decodes at once."""
     fast_decode: bool = True
     """HF engine: decode Llama/Qwen2/Qwen3 models with relign's own one-token step (matmul attention over the preallocated cache, no per-token mask rebuild); false = the model's forward."""
     vllm: VllmConfig = field(default_factory=VllmConfig)

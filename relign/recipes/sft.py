@@ -21,19 +21,10 @@ import torch
 
 from .. import banner, distributed
 from ..algorithms.aggregation import MODES, aggregate, aggregate_count
-from ..config import (
-    BatchFields,
-    ConfigError,
-    DataConfig,
-    OptimConfig,
-    check_choice,
-    check_common,
-    check_divides,
-    check_model_path,
-    check_non_negative,
-    check_positive,
-    check_rows,
+from ..checks import (
+    check_choice, check_common, check_divides, check_model_path, check_non_negative, check_positive, check_rows
 )
+from ..config import BatchFields, ConfigError, DataConfig, OptimConfig
 from ..data.collate import chunks, pack_collate, pad_collate, shard, to_device
 from ..data.sft import TRUNCATION, SFTExample, build_sft_examples
 from ..data.stats import announce
@@ -164,8 +155,8 @@ def train(cfg: Config, *, desc: str = "sft") -> RunResult:
     train_set, eval_set, data_metrics = _load_data(cfg, tok)
     check_rows(len(train_set), cfg.batch_size, what=f"data.path={cfg.data.path}")
     total_steps, per_epoch = frame.schedule(cfg, len(train_set))
-    facts = frame.offline_facts(run, total_steps, per_epoch, read=int(data_metrics["data/rows"] + data_metrics.get(
-        "data/eval_rows", 0)), train=len(train_set), eval_rows=len(eval_set), unit="examples")
+    facts = frame.offline_facts(run, total_steps, per_epoch, data_metrics, train=len(train_set), eval_rows=len(eval_set),
+                                unit="examples")
     banner.dry_run("sft", cfg, **facts)  # --dry-run stops here, before any weights are read
     model = build.load_policy(m, run.device)
     if cfg.packing:

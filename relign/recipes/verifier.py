@@ -23,17 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import banner, rundir
-from ..config import (
-    ConfigError,
-    OptimConfig,
-    StepFields,
-    check_common,
-    check_divides,
-    check_fraction,
-    check_model_path,
-    check_non_negative,
-    check_positive,
-)
+from ..checks import check_common, check_divides, check_fraction, check_model_path, check_non_negative, check_positive
+from ..config import ConfigError, OptimConfig, StepFields
 from ..data.readers import DataError, read_records
 from ..models.reward import NO, VERIFIER_TEMPLATE, YES, VerifierScorer, verifier_messages
 from . import RunResult, frame, sft

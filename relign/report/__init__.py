@@ -9,10 +9,11 @@ a run that is still going. ``write_compare([run_a, run_b, ...])`` overlays sever
 The package, one part a file:
 
     load.py      a run directory -> Run (config, metrics, traces, checkpoints, eval, demo, search)
-    charts.py    which metrics go in which chart (CHARTS), series, SVG line charts
+    charts.py    which metrics go in which chart (CHARTS), series, SVG line and bar charts
     metrics.py   the Metrics section: charts that vary, constant metrics in a table (1 run or several)
     traces.py    the rollout trace browser's data
     evalview.py  eval summary and per-problem sample grid
+    demoview.py  the demo's page: reward, held-out accuracy and before/after charts first, then its table
     search.py    inference-time search section (sweep.py: accuracy vs budget; tree.py: search trees)
     page.py      one run's page; write_report, refresh_after_run
     compare.py   several runs on one page
@@ -33,10 +34,9 @@ from .charts import CHARTS, chart_svg, nice_ticks, plan_charts, tick_labels
 from .compare import write_compare
 from .evalview import group_samples
 from .load import Run, final_metrics, infer_recipe, load_run, metric_keys, trace_files, wall_time
-from .util import read_jsonl
 from .page import CSP, refresh_after_run, refresh_report, render_page, write_report
 from .traces import build_traces, trace_row, trace_step
-from .util import PALETTE, REPORT_FILE, fmt
+from .util import PALETTE, REPORT_FILE, fmt, read_jsonl
 
 __all__ = [
     "CHARTS", "CSP", "PALETTE", "REPORT_FILE", "Run", "build_traces", "chart_svg", "final_metrics", "fmt", "group_samples",

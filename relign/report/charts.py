@@ -195,10 +195,13 @@ def y_grid(left: float, pw: float, y0: float, y1: float, py: Callable[[float], f
 
 
 def chart_svg(series: list[Series], band: tuple[list[float], list[float], list[float]] | None = None,
-              width: int = 480, height: int = 210, styles: list[Style] | None = None) -> tuple[str, dict[str, Any]]:
+              width: int = 480, height: int = 210, styles: list[Style] | None = None,
+              dots: bool = False) -> tuple[str, dict[str, Any]]:
     """An SVG line chart of ``series`` (+ an optional shaded band: xs, lows, highs).
 
     ``styles`` gives each series its (colour, dash); by default the palette in order, solid.
+    ``dots`` marks every point too: for a few measurements (an eval every N steps), where the
+    line between them is not data.
     Returns the markup and the geometry + points the page's JS needs for its hover readout.
     """
     styles = styles or [(PALETTE[i % len(PALETTE)], "") for i in range(len(series))]
@@ -232,10 +235,44 @@ def chart_svg(series: list[Series], band: tuple[list[float], list[float], list[f
             d = "M" + " L".join(f"{px(x)},{py(y)}" for x, y in zip(xs, ys))
             dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
             parts.append(f'<path class="line" stroke="{color}"{dash_attr} d="{d}"><title>{html.escape(key)}</title></path>')
+            if dots:
+                parts.extend(f'<circle class="dot" cx="{px(x)}" cy="{py(y)}" r="2.5" fill="{color}"/>' for x, y in zip(xs, ys))
         points.append({"key": key, "color": color, "x": xs, "y": [float(f"{y:.6g}") for y in ys]})
     parts.append(f'<line class="cursor" x1="0" x2="0" y1="{top}" y2="{top + ph}" visibility="hidden"/></svg>')
     geometry = {"left": left, "width": pw, "x0": x0, "x1": x1, "series": points}
     return "".join(parts), geometry
+
+
+def bars_svg(labels: list[str], groups: list[tuple[str, str, list[float]]], width: int = 480, height: int = 210) -> str:
+    """An SVG grouped bar chart of fractions (0..1): one group of bars per label, one bar per
+    (name, colour, values) of ``groups``, each bar with its value written above it. Every
+    ``rect.bar`` carries data-label, data-group and data-value (the number drawn)."""
+    left, right, top, bottom = 56, 12, 22, 26  # room above the plot for the label of a bar at 1.0
+    pw, ph = width - left - right, height - top - bottom
+    y1 = max([1.0, *(v for _, _, vs in groups for v in vs)])  # fractions: the axis shows all of 0..1
+
+    def py(y: float) -> float:
+        return round(top + (1 - y / y1) * ph, 1)
+
+    slot = pw / max(len(labels), 1)  # each label's share of the width; its bars fill 70% of it
+    bar = slot * 0.7 / max(len(groups), 1)
+    parts = [f'<svg viewBox="0 0 {width} {height}" role="img" preserveAspectRatio="xMidYMid meet">',
+             *y_grid(left, pw, 0.0, y1, py),
+             f'<rect class="frame" x="{left}" y="{top}" width="{pw}" height="{ph}"/>']  # first: the bars go over it
+    for i, label in enumerate(labels):
+        x_mid = round(left + (i + 0.5) * slot, 1)
+        parts.append(f'<text class="tick" x="{x_mid}" y="{top + ph + 16}" text-anchor="middle">{html.escape(label)}</text>')
+        for j, (name, color, values) in enumerate(groups):
+            v = values[i]
+            x = round(x_mid - slot * 0.35 + j * bar, 1)
+            parts.append(
+                f'<rect class="bar" x="{x}" y="{py(v)}" width="{round(bar - 2, 1)}" height="{round(py(0) - py(v), 1)}" '
+                f'fill="{color}" data-label="{html.escape(label)}" data-group="{html.escape(name)}" data-value="{v!r}">'
+                f'<title>{html.escape(f"{label}, {name}: {fmt(v)}")}</title></rect>'
+                # 3 decimals fit above a bar of a 5-group chart in the smaller font; its title (hover) has fmt's 4 digits
+                f'<text class="tick value" x="{round(x + (bar - 2) / 2, 1)}" y="{py(v) - 3}" text-anchor="middle">{v:.3f}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
 
 
 def swatch(color: str, dash: str = "") -> str:

@@ -8,7 +8,8 @@ A run directory holds (every file optional, so a run that has only just started 
     checkpoints/step_N/      relign_state.json names the recipe
     eval.json, samples.jsonl eval summary and per-sample rows
     eval/step_N.jsonl        in-training eval samples (RL with eval.samples)
-    demo.json                the demo's before/after table; sub-run directories
+    demo.json                the demo's before/after table; sub-run directories (rl/metrics.jsonl
+                             is read for the demo's charts)
     sweep.json, search.jsonl, search/*.jsonl   inference-time search (search.py)
 """
 
@@ -43,6 +44,7 @@ class Run:
     samples: list[dict[str, Any]] = field(default_factory=list)
     samples_file: str = ""  # where the samples came from, relative to the run directory
     demo: dict[str, Any] | None = None
+    demo_rl: list[dict[str, Any]] = field(default_factory=list)  # a demo's rl/metrics.jsonl (GRPO stage)
     subruns: list[Path] = field(default_factory=list)
     search: Any = None  # search.Search: sweep.json, search.jsonl, search/*.jsonl
 
@@ -79,6 +81,8 @@ def load_run(root: Path) -> Run:
     if run.samples_file:
         run.samples = read_jsonl(root / run.samples_file)
     run.demo = read_json(root / "demo.json")
+    if run.demo is not None:
+        run.demo_rl = read_metrics(root / "rl")
     run.search = load_search(root, run.eval_summary)
     run.subruns = sorted(
         p for p in root.iterdir()

@@ -87,21 +87,32 @@ def render_figure(chart_id: str, title: str, keys: list[str], sources: list[Sour
     if band_key and not compare and found[0][1] == keys[0]:
         band = band_of(sources[0][1], keys[0], band_key)
     svg, geometry = chart_svg(series, band, styles=styles)
-    legend = "".join(
-        f'<span class="key">{swatch(color, dash)}{html.escape(label)} <b>{fmt(value)}</b></span>'
-        for (label, _, _), (color, dash), value in zip(series, styles, last)
-    )
+    legend = legend_html(series, styles, last)
     if band:
         legend += f'<span class="key"><i class="band-key"></i>± {html.escape(band_key or "")}</span>'
     extra = f' data-band="{html.escape(band_key or "")}"' if band else ""
     if compare:
         labels = list(dict.fromkeys(sources[j][0] for j, _, _, _ in found))
         extra += f' data-runs="{html.escape(json.dumps(labels))}"'
+    attrs = f' data-metric="{html.escape(present[0])}" data-keys="{html.escape(" ".join(present))}"{extra}'
+    return figure_html(chart_id, title, svg, legend, attrs + f' data-points="{html.escape(_json(geometry))}"')
+
+
+def legend_html(series: list[tuple[str, list[float], list[float]]], styles: list[tuple[str, str]], last: list[float]) -> str:
+    """One key per series: its line sample, label and last value."""
+    return "".join(
+        f'<span class="key">{swatch(color, dash)}{html.escape(label)} <b>{fmt(value)}</b></span>'
+        for (label, _, _), (color, dash), value in zip(series, styles, last)
+    )
+
+
+def figure_html(chart_id: str, title: str, svg: str, legend: str, attrs: str = "", note: str = "") -> str:
+    """A chart's ``<figure>``: caption, SVG, legend, an optional note. ``attrs`` (already
+    escaped) holds its data attributes; the page's JS gives a hover readout to those with
+    data-points (chart_svg's geometry)."""
     return (
-        f'<figure class="chart" id="chart-{_slug(chart_id)}" data-metric="{html.escape(present[0])}" '
-        f'data-keys="{html.escape(" ".join(present))}"{extra} data-points="{html.escape(_json(geometry))}">'
-        f'<figcaption>{html.escape(title)}</figcaption>{svg}<div class="legend">{legend}</div>'
-        f'<div class="readout"></div></figure>'
+        f'<figure class="chart" id="chart-{_slug(chart_id)}"{attrs}><figcaption>{html.escape(title)}</figcaption>{svg}'
+        f'<div class="legend">{legend}</div>{note}<div class="readout"></div></figure>'
     )
 
 

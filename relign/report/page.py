@@ -1,5 +1,8 @@
 """One run's page: summary, before/after, sub-runs, eval, search, metrics, traces; and writing it.
 
+A demo's page (demo.json) opens with its charts (demoview.py): a newcomer's first question is
+"what did training do", and the answer is a curve, not a table.
+
 The page is one self-contained file: its CSS and JS (relign/report_assets/report.css,
 report.js, and search.css/js with the search section) are inlined, the plots are inline SVG,
 and a Content-Security-Policy forbids loading anything, so it opens offline from anywhere.
@@ -16,13 +19,14 @@ from urllib.parse import quote
 
 from .. import distributed
 from ..checkpoint import atomic_write_text
+from .demoview import render_demo, render_demo_charts
 from .evalview import render_eval
 from .load import Run, check_run_dir, final_metrics, infer_recipe, last_step, load_run, model_and_task, wall_time
 from .metrics import render_metrics
 from .search import assets as search_assets
 from .search import render_search, summary_text
 from .traces import render_traces
-from .util import REPORT_FILE, _cell, _duration, _flatten, _is_num, _kv_table, asset, fmt
+from .util import REPORT_FILE, _duration, _kv_table, asset
 
 log = logging.getLogger(__name__)
 
@@ -112,26 +116,6 @@ def render_summary(run: Run) -> str:
     return "".join(out)
 
 
-def render_demo(run: Run) -> str:
-    if run.demo is None:
-        return ""
-    before = _flatten(run.demo.get("before") or {})
-    after = _flatten(run.demo.get("after") or {})
-    rows = []
-    for k in list(dict.fromkeys([*before, *after])):
-        b, a = before.get(k), after.get(k)
-        delta = fmt(a - b) if _is_num(a) and _is_num(b) else ""
-        if delta and not delta.startswith("-"):
-            delta = "+" + delta
-        rows.append(f"<tr><td>{html.escape(k)}</td><td>{_cell(b)}</td><td>{_cell(a)}</td><td>{html.escape(delta)}</td></tr>")
-    others = {k: v for k, v in run.demo.items() if k not in ("before", "after")}
-    return (
-        '<section id="demo"><h2>Before / after</h2><table class="kv" id="demo-table">'
-        "<thead><tr><th>metric</th><th>before</th><th>after</th><th>change</th></tr></thead>"
-        f'<tbody>{"".join(rows)}</tbody></table>' + (_kv_table(_flatten(others)) if others else "") + "</section>"
-    )
-
-
 def render_subruns(run: Run) -> str:
     if not run.subruns:
         return ""
@@ -156,8 +140,8 @@ def render_page(run: Run) -> str:
     in_training = run.samples_file.startswith("eval/")  # a training run's eval samples come after its own sections
     search = render_search(run)  # its CSS and JS go into the page only with it
     search_css, search_js = search_assets() if search else ("", "")
-    body = [render_summary(run), render_demo(run), render_subruns(run), "" if in_training else evals, search, metrics,
-            render_traces(run), evals if in_training else ""]
+    body = [render_demo_charts(run), render_summary(run), render_demo(run), render_subruns(run),
+            "" if in_training else evals, search, metrics, render_traces(run), evals if in_training else ""]
     return page_html(name, name, f"<code>relign report {html.escape(str(run.path))}</code> rewrites it", "".join(body),
                      search_css, search_js)
 

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from .load import Run
-from .util import count_lines, read_jsonl
-from .util import MAX_TEXT_CHARS, _as_bool, _clean, _cut, _finite, _first, _json, _script_json, _text
+from .util import (
+    MAX_TEXT_CHARS, _as_bool, _clean, _cut, _finite, _first, _json, _script_json, _text, count_lines, read_jsonl
+)
 
 # Caps that keep report.html a few MB however long the run: the page says when it cut.
 MAX_TRACE_STEPS = 50  # the most recent steps of rollouts/ embedded ...

@@ -15,8 +15,8 @@ function num(v) {
   return (a >= 1e6 || (a < 1e-3 && a > 0)) ? v.toExponential(3) : String(+v.toPrecision(4));
 }
 
-// ---- hover readout on every chart: nearest logged step of each series
-document.querySelectorAll("figure.chart").forEach(function (fig) {
+// ---- hover readout on every line chart (a bar chart has no data-points): nearest logged step of each series
+document.querySelectorAll("figure.chart[data-points]").forEach(function (fig) {
   const svg = fig.querySelector("svg"), readout = fig.querySelector(".readout");
   const cursor = svg.querySelector(".cursor"), g = JSON.parse(fig.dataset.points);
   svg.addEventListener("mousemove", function (ev) {

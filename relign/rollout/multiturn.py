@@ -1,6 +1,6 @@
 """Multi-turn rollouts, token in / token out.
 
-An environment follows RL2's contract (``relign.envs.multiturn``)::
+An environment follows RL2's contract (``relign.envs.env``)::
 
     async def step(state: str, action: str, extra_info: dict) -> dict
         # {"next_state", "reward", "score", "done", "extra_info"}
@@ -34,7 +34,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from relign.envs.multiturn import EnvError, check_step_result, initial_state
+from relign.envs.env import EnvError, check_step_result, initial_state
 
 from .engine import Completion, SamplingParams, derive_seed
 

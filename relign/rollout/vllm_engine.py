@@ -45,7 +45,8 @@ import numpy as np
 import torch
 
 from .. import distributed
-from ..config import VllmConfig, check_non_negative, check_positive, get_key
+from ..checks import check_non_negative, check_positive, get_key
+from ..config import VllmConfig
 from ..errors import ConfigError
 from .engine import Completion, SamplingParams, check_generate_args, derive_seed
 
@@ -84,7 +85,6 @@ def check_vllm(cfg, section: str, *, top_p: float = 1.0, top_k: int = 0) -> None
 def check_architecture(model_path: str, *, trust_remote_code: bool = False, key: str = "rollout.engine") -> None:
     """A clear error for a model vLLM cannot run, before the engine is built."""
     from transformers import AutoConfig
-
     from vllm import ModelRegistry
 
     archs = list(getattr(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code), "architectures", None) or [])

@@ -20,7 +20,7 @@ from ..envs.tasks import Problem
 from ..rollout.engine import SamplingParams, derive_seed
 from ..rollout.prefixes import Cost, continue_prefixes
 from .base import Budget, Candidate, SearchResult
-from .common import BudgetClock, ScoreJob, answer_of, check_scorer, equal_fn, score_jobs, select_candidate, step_texts
+from .common import BudgetClock, ScoreJob, StepSearch, answer_of, check_scorer, score_jobs, select_results, step_texts
 
 _FINISH = 0xF1515  # seed tag of the finishing continuation
 
@@ -45,20 +45,8 @@ class BeamOptions:
 
 
 @dataclass
-class StepBeam(BeamOptions):
-    tokenizer: object = None
+class StepBeam(BeamOptions, StepSearch):
     name: str = "step_beam"
-    width: int = 4
-    """Next steps proposed per kept beam (M)."""
-    temperature: float = 0.7
-    top_p: float = 1.0
-    delimiter: str = "\n"
-    step_max_tokens: int = 128
-    max_new_tokens: int = 512
-    max_depth: int = 16
-    aggregate: str = "last"
-    allow_reference: bool = False
-    answer_marker: str | None = None
 
     def __post_init__(self) -> None:
         if self.beams < 1 or self.width < 1 or self.max_depth < 1 or self.step_max_tokens < 1:
@@ -69,10 +57,7 @@ class StepBeam(BeamOptions):
     def search(self, engine, task, problems: list[Problem], *, budget: Budget, scorer=None, seed: int = 0
                ) -> list[SearchResult]:
         check_scorer(self.name, scorer, task, needs_scorer=True, allow_reference=self.allow_reference)
-        marker = self.answer_marker or getattr(task, "answer_marker", None)
-        if not marker:
-            raise ValueError(f"step_beam needs the task's answer marker to tell a final step (task "
-                             f"'{getattr(task, 'name', '?')}' has none): set search.answer_marker")
+        marker = self.final_marker(task)
         t0 = time.perf_counter()
         cache: dict[int, str] = {}
         costs = [Cost() for _ in problems]
@@ -107,18 +92,7 @@ class StepBeam(BeamOptions):
                 last_round[i] = costs[i].generated_tokens - spent0[i]
                 clocks[i].rounds += 1
         self._finish(engine, task, problems, active, done, costs, failed, seed, scorer, cache)
-        wall = time.perf_counter() - t0
-        equal = equal_fn(task)
-        results = []
-        for i in range(len(problems)):
-            costs[i].wall_s = wall
-            if i in failed:
-                results.append(SearchResult(None, None, done[i], costs[i], error=failed[i]))
-                continue
-            k = select_candidate(done[i], self.select, equal)
-            chosen = done[i][k] if k is not None else None
-            results.append(SearchResult(chosen.answer if chosen else None, chosen, done[i], costs[i]))
-        return results
+        return select_results(done, costs, failed, self.select, task, time.perf_counter() - t0)
 
     def _propose(self, engine, problems: list[Problem], live: list[int], active: list[list[_Beam]],
                  clocks: list[BudgetClock], costs: list[Cost], seed: int, marker: str) -> list[tuple]:

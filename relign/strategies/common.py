@@ -12,7 +12,7 @@ from typing import Any
 from ..envs.tasks import Problem
 from ..rollout.prefixes import Cost
 from ..rollout.steps import step_ends
-from .base import Budget, Candidate
+from .base import Budget, Candidate, SearchResult
 from .scorers import aggregate_step_scores, check_reference
 from .voting import argmax_index, majority, vote, weighted_vote
 
@@ -56,6 +56,39 @@ def step_texts(token_ids: Sequence[int], tokenizer, delimiter: str, cache: dict[
     ends = step_ends(token_ids, tokenizer, delimiter, cache=cache)
     starts = [0, *ends[:-1]]
     return [tokenizer.decode(list(token_ids[s:e]), skip_special_tokens=True) for s, e in zip(starts, ends)] or [""]
+
+
+@dataclass
+class StepSearch:
+    """What a search over reasoning steps (step_beam, mcts) is set with, beside its own knobs."""
+
+    tokenizer: object = None
+    width: int = 4
+    """Children per expansion (MCTS); next steps proposed per kept beam (step_beam's M)."""
+    temperature: float = 0.7
+    top_p: float = 1.0
+    delimiter: str = "\n"
+    """Where a step ends."""
+    step_max_tokens: int = 128
+    """Longest step; a longer one is cut and the next expansion continues it."""
+    max_new_tokens: int = 512
+    """Longest generation to the end (a rollout, the last step at max_depth, the finishing one)."""
+    max_depth: int = 16
+    """Steps on a path; the step that reaches max_depth is generated to the end."""
+    aggregate: str = "last"
+    """How a partial solution's step scores become one (``scorers.aggregate_step_scores``)."""
+    allow_reference: bool = False
+    """Let a scorer read the gold answer (training-time data generation only; never in eval)."""
+    answer_marker: str | None = None
+    """Overrides the task's answer marker (what makes a step final)."""
+
+    def final_marker(self, task) -> str:
+        """The text that makes a step final: this search's, else the task's; a tree search cannot run without one."""
+        marker = self.answer_marker or getattr(task, "answer_marker", None)
+        if not marker:
+            raise ValueError(f"{getattr(self, 'name', 'search')} needs the task's answer marker to tell a final step (task "
+                             f"'{getattr(task, 'name', '?')}' has none): set search.answer_marker (e.g. '####' or '\\\\boxed')")
+        return marker
 
 
 @dataclass
@@ -130,6 +163,22 @@ def select_candidate(cands: Sequence[Candidate], how: str, equal: Callable[[str,
             return None
         return max(winner, key=lambda i: (cands[i].score or 0.0, -i))  # the best-scored candidate of that answer
     raise ValueError(f"unknown selection {how!r}; choose one of {', '.join(SELECTIONS)}")
+
+
+def select_results(cands: Sequence[list[Candidate]], costs: Sequence[Cost], failed: dict[int, str], how: str, task,
+                   wall_s: float) -> list[SearchResult]:
+    """One result per problem: the candidate ``select_candidate`` picks by ``how`` (none for a problem
+    whose scorer failed, with its error), and the batch's wall time on every cost."""
+    equal, results = equal_fn(task), []
+    for i, (found, cost) in enumerate(zip(cands, costs)):
+        cost.wall_s = wall_s
+        if i in failed:
+            results.append(SearchResult(None, None, found, cost, error=failed[i]))
+            continue
+        k = select_candidate(found, how, equal)
+        chosen = found[k] if k is not None else None
+        results.append(SearchResult(chosen.answer if chosen else None, chosen, found, cost))
+    return results
 
 
 @dataclass

@@ -36,7 +36,9 @@ from ..envs.tasks import Problem
 from ..rollout.engine import Completion, SamplingParams, derive_seed
 from ..rollout.prefixes import Cost, continue_prefixes
 from .base import Budget, Candidate, SearchResult
-from .common import BudgetClock, ScoreJob, answer_of, check_scorer, equal_fn, score_jobs, select_candidate, step_texts
+from .common import (
+    BudgetClock, ScoreJob, StepSearch, answer_of, check_scorer, equal_fn, score_jobs, select_candidate, step_texts
+)
 from .voting import majority, vote
 
 RULES = ("puct", "uct")
@@ -168,27 +170,10 @@ class MctsOptions:
 
 
 @dataclass
-class MCTS(MctsOptions):
+class MCTS(MctsOptions, StepSearch):
     """PUCT over steps, batched in lockstep across problems (see the module docstring)."""
 
-    tokenizer: object = None
     name: str = "mcts"
-    width: int = 4
-    """Children per expansion."""
-    temperature: float = 0.7
-    top_p: float = 1.0
-    delimiter: str = "\n"
-    """Where a step ends."""
-    step_max_tokens: int = 128
-    """Longest step; a longer one is cut and the next expansion continues it."""
-    max_new_tokens: int = 512
-    """Longest generation to the end (a rollout, the last step at max_depth, the finishing rollout)."""
-    max_depth: int = 16
-    """Steps on a path; the step that reaches max_depth is generated to the end."""
-    aggregate: str = "last"
-    allow_reference: bool = False
-    answer_marker: str | None = None
-    """Overrides the task's answer marker (terminal detection)."""
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("rule", self.rule, RULES), ("leaf_eval", self.leaf_eval, LEAF_EVALS),
@@ -208,10 +193,7 @@ class MCTS(MctsOptions):
     def search(self, engine, task, problems: list[Problem], *, budget: Budget, scorer=None, seed: int = 0
                ) -> list[SearchResult]:
         check_scorer(self.name, scorer, task, needs_scorer=True, allow_reference=self.allow_reference)
-        marker = self.answer_marker or getattr(task, "answer_marker", None)
-        if not marker:
-            raise ValueError(f"mcts needs the task's answer marker to tell a final step (task '{getattr(task, 'name', '?')}' "
-                             "has none): set search.answer_marker (e.g. '####' or '\\\\boxed')")
+        marker = self.final_marker(task)
         # per-search state (one search at a time per strategy object)
         self._task, self._marker, self._cache = task, marker, {}
         t0 = time.perf_counter()

@@ -23,7 +23,7 @@ from ..envs.tasks import Problem
 from ..rollout.engine import SamplingParams, derive_seed
 from ..rollout.prefixes import Cost, continue_prefixes
 from .base import Budget, Candidate, SearchResult
-from .common import BudgetClock, ScoreJob, answer_of, check_scorer, equal_fn, score_jobs, select_candidate, step_texts
+from .common import BudgetClock, ScoreJob, answer_of, check_scorer, score_jobs, select_results, step_texts
 
 
 @dataclass
@@ -93,15 +93,4 @@ class SampleAndSelect:
                     c.score = s
             for i, c in new:
                 cands[i].append(c)
-        wall = time.perf_counter() - t0
-        results = []
-        equal = equal_fn(task)
-        for i in range(len(problems)):
-            costs[i].wall_s = wall
-            if i in failed:
-                results.append(SearchResult(None, None, cands[i], costs[i], error=failed[i]))
-                continue
-            k = select_candidate(cands[i], self.select, equal)
-            chosen = cands[i][k] if k is not None else None
-            results.append(SearchResult(chosen.answer if chosen else None, chosen, cands[i], costs[i]))
-        return results
+        return select_results(cands, costs, failed, self.select, task, time.perf_counter() - t0)

@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..envs.base import normalize_reward
+from ..envs.reward_fn import normalize_reward
 from ..models import reward as reward_models
 from ..models.loading import load_causal_lm, load_tokenizer
 

@@ -25,8 +25,8 @@ import pytest
 
 from relign.report import PALETTE, write_compare, write_report
 
-from ..test_report import make_rl_run
-from ..test_report_compare import two_runs
+from ..report.test_report import make_rl_run
+from ..report.test_compare import two_runs
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 
@@ -270,7 +270,7 @@ def test_report_in_headless_chromium(browser, tmp_path):
 
 
 def test_search_report_in_headless_chromium(browser, tmp_path):
-    from ..test_report_search import make_single_search_run, make_sweep_run
+    from ..report.test_search import make_single_search_run, make_sweep_run
 
     run = make_sweep_run(tmp_path / "sweep")
     make_single_search_run(run)  # eval.json + search.jsonl as well: the first cell is search.jsonl, with trees

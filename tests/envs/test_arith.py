@@ -9,8 +9,8 @@ import pytest
 
 from relign.data.readers import DataError
 from relign.envs import arith
-from relign.envs.tasks import get_task
 from relign.envs.safe_arith import evaluate
+from relign.envs.tasks import get_task
 
 INFO = {"answer": 9}  # 7 + 5 - 3
 

@@ -8,7 +8,8 @@ from fractions import Fraction
 import pytest
 
 from relign.data.readers import DataError
-from relign.envs.base import RewardResult, Task, load_function, make_custom_task, normalize_reward
+from relign.envs.base import Task, load_function, make_custom_task
+from relign.envs.reward_fn import RewardResult, normalize_reward
 from relign.envs.tasks import TASKS, get_task
 
 

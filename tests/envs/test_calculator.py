@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from relign.envs.calculator import CalculatorEnv, make_calculator_records, observe
-from relign.envs.multiturn import Env, check_step_result, initial_state
+from relign.envs.env import Env, check_step_result, initial_state
 
 
 def run(coro):

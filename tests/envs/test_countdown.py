@@ -10,8 +10,8 @@ import pytest
 
 from relign.data.readers import DataError
 from relign.envs import countdown
-from relign.envs.tasks import get_task
 from relign.envs.safe_arith import ArithError, analyze, evaluate, format_number
+from relign.envs.tasks import get_task
 
 INFO = {"nums": [30, 100, 93], "target": 23}  # the first shipped row: 30 + 93 - 100 = 23
 

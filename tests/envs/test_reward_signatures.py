@@ -8,7 +8,8 @@ import logging
 import pytest
 
 from relign.config import ConfigError
-from relign.envs.base import RewardResult, detect_reward_style, load_function, make_custom_task
+from relign.envs.base import load_function, make_custom_task
+from relign.envs.reward_fn import RewardResult, detect_reward_style
 from relign.envs.rewards import RewardPool
 from relign.envs.tasks import build_task
 

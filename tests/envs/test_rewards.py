@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from relign.envs.base import RewardResult
-from relign.envs.tasks import get_task
+from relign.envs.reward_fn import RewardResult
 from relign.envs.rewards import RewardPool
+from relign.envs.tasks import get_task
 
 MISBEHAVE = '''
 import ctypes, os

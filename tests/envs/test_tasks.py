@@ -5,11 +5,9 @@ from __future__ import annotations
 import pytest
 
 from relign.config import ConfigError
-from relign.envs.tasks import get_task
-from relign.envs.tasks import build_task, encode_problems, problem_text, render_prompt
+from relign.envs.tasks import Problem, build_task, encode_problems, get_task, problem_text, render_prompt
 from relign.rollout.collect import RolloutCollector
 from relign.rollout.engine import SamplingParams
-from relign.envs.tasks import Problem
 
 from ..conftest import write_jsonl
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from relign.envs.calculator import CalculatorEnv, make_calculator_records
-from relign.envs.multiturn import EnvError
+from relign.envs.env import EnvError
 from relign.rollout.engine import Completion, SamplingParams, derive_seed
 from relign.rollout.hf_engine import HFEngine
 from relign.rollout.multiturn import Episode, episode_from_completion, run_episodes

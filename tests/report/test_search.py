@@ -12,7 +12,7 @@ import pytest
 from relign import report
 from relign.report import load_run, search, sweep, tree, write_report
 
-from .conftest import write_jsonl
+from ..conftest import write_jsonl
 from .test_report import EVIL, Page, _assert_offline, make_eval_run, make_rl_run
 
 HOSTILE = "</script><script>alert(1)</script><img src=x onerror=alert(2)>"

@@ -15,8 +15,8 @@ from relign.cli import main
 from relign.report import build_traces, evalview, group_samples, nice_ticks, plan_charts, refresh_report, traces, util, write_report
 from relign.tracking import read_metrics
 
-from .conftest import run_cli, write_jsonl
-from .rl_toy import toy_overrides
+from ..conftest import run_cli, write_jsonl
+from ..rl_toy import toy_overrides
 
 EVIL = '</script><script>alert("x")</script><img src=x onerror=alert(1)> & <!-- \u2028'
 
@@ -408,7 +408,7 @@ def test_every_chart_of_a_real_run_has_data(name, tiny_model_dir, tmp_path):
     command, preset, overrides, expected = REAL_RUNS[name]
     run = tmp_path / name
     # the CLI in-process (as tests/e2e/test_cli_search.py does): the same code path, no second interpreter start
-    assert main([command, str(Path(__file__).parents[1] / "examples" / preset), f"model.path={tiny_model_dir}", f"run_dir={run}",
+    assert main([command, str(Path(__file__).parents[2] / "examples" / preset), f"model.path={tiny_model_dir}", f"run_dir={run}",
                  *overrides, "max_steps=3", "eval_every=0", "checkpoint.save_every=0", "checkpoint.save_final=false",
                  "logging.tensorboard=false", "logging.progress=false"]) == 0
     text = write_report(run).read_text()

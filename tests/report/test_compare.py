@@ -14,7 +14,7 @@ from relign.report import PALETTE, refresh_after_run, write_compare
 from relign.report.command import main
 from relign.report.compare import run_labels
 
-from .conftest import REPO, run_cli, write_jsonl
+from ..conftest import REPO, run_cli, write_jsonl
 from .test_report import Page, _assert_offline, make_sft_run
 
 HOSTILE_NAME = 'x<img src=y onerror="alert(1)">'
