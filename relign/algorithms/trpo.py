@@ -21,8 +21,9 @@ LLM specifics (the spec's §4 and §7.5):
 * The Fisher is the Hessian at θ_old of KL(stop_grad(π_θ) ‖ π_θ) over the full vocabulary
   (``self_kl``): its value and gradient are 0 at θ, its Hessian is E_π[∇log π ∇log πᵀ], so
   no old logits are needed for the FVP. Pass ``kl_fn_fvp`` a closure over a subsample.
-* The line search needs KL(π_old ‖ π_new) (``token_kl``): keep the old log-softmax
-  [b, t, V] of the (subsampled) rows, and recompute the new one with the current params.
+* The line search needs KL(π_old ‖ π_new) (``token_kl``) over the whole batch, as baselines'
+  line search computes its mean KL on every sample: keep the old log-softmax [B, t, V] of every
+  row, and recompute the new one with the current params. Only the FVP subsamples.
 * Cost ≈ 1 gradient + cg_iters double backwards + ≤ max_backtracks forwards: practical only
   for small trainable sets (tiny models, LoRA). There is no optimizer state; it acts on the
   params it is given, in place. Not for FSDP (flat vectors, double backward).

@@ -3,7 +3,8 @@
     for iteration k = 1 .. iterations:
         sample      rollout.n completions per training prompt from the current model
                     (k = 1: the base model; later: the checkpoint chosen in iteration k-1)
-        filter      E-step: keep completions with reward >= threshold, at most max_per_prompt per
+        filter      E-step: keep completions with score >= threshold (the task's correctness, not its
+                    shaped reward: a format bonus never makes a wrong answer a target), at most max_per_prompt per
                     prompt (the first ones in sample order); a truncated completion counts as failed
         fine-tune   M-step: the SFT recipe on the kept (prompt, response) pairs, from the base model
                     (from_base, as ReST-EM and treetune do) or from the current one, `epochs` epochs,
@@ -92,7 +93,7 @@ class Config(RunFields):
     prompts_per_iteration: int = 0
     """Training prompts sampled per iteration, a fresh seeded subset each time (0 = all of them)."""
     threshold: float = 1.0
-    """Keep completions whose reward is at least this (binary correctness: 1.0)."""
+    """Keep completions whose score (the task's correctness, without a format bonus) is at least this (1.0: correct)."""
     max_per_prompt: int = 10
     """Keep at most this many correct completions per prompt, the first in sample order (the spec's cap 10)."""
     from_base: bool = True
@@ -123,7 +124,8 @@ def filter_samples(groups: Sequence[Any], threshold: float, max_per_prompt: int)
 
     ``groups``: one per prompt, with ``prompt_text``, ``episodes`` (``text``, ``reward``,
     ``score``, ``finish_reason``) and optionally ``draw`` (the prompt's index; default its
-    position). A completion passes when ``reward >= threshold`` and it finished
+    position). A completion passes when ``score >= threshold`` (the task's correctness: the
+    reward may add a format bonus, which must not make a wrong answer a training target) and it finished
     (``finish_reason == "stop"``: a truncated one counts as failed, as in the spec) and is
     trainable text: not blank (nothing to imitate) and free of NUL characters and lone
     surrogates (a small model samples them now and then; the SFT reader refuses such a row).
@@ -144,7 +146,7 @@ def filter_samples(groups: Sequence[Any], threshold: float, max_per_prompt: int)
             stats["sampled"] += 1
             finished = e.finish_reason == "stop"
             stats["truncated"] += not finished
-            if not (e.reward >= threshold and finished and e.text.strip() and not _NOT_TEXT.search(e.text)):
+            if not (e.score >= threshold and finished and e.text.strip() and not _NOT_TEXT.search(e.text)):
                 continue
             stats["correct"] += 1
             if kept_here < max_per_prompt:
@@ -384,7 +386,7 @@ def _iteration(rest: _Rest, k: int, current: str | None) -> tuple[str | None, di
     del model
     t1 = time.perf_counter()
 
-    # ---- 2. filter: reward >= threshold, finished, at most max_per_prompt per prompt
+    # ---- 2. filter: score (correctness) >= threshold, finished, at most max_per_prompt per prompt
     kept, stats = filter_samples(groups, cfg.threshold, cfg.max_per_prompt)
     rows = [_sft_record(r, rest.train_records[r["problem"]]) for r in kept]
     _write_jsonl(it / "samples.jsonl", rows)

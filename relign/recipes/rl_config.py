@@ -138,7 +138,7 @@ class TrpoConfig:
     max_backtracks: int = 10
     """Line search: tries before the step is rejected and the parameters restored."""
     fvp_subsample: int = 5
-    """The Fisher-vector product and the line-search KL use every N-th sequence (openai/baselines: 5)."""
+    """The Fisher-vector product uses every N-th sequence (openai/baselines: 5); the surrogate and the line search's KL use every one."""
 
 
 @dataclass

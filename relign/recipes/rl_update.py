@@ -455,11 +455,14 @@ def trpo_update(policy, params: list[torch.Tensor], batch: RolloutBatch, advanta
                 backtrack_ratio: float, max_backtracks: int, fvp_subsample: int) -> Stats:
     """One TRPO step (``algorithms.trpo.trpo_step``) of the trainable ``params`` on the whole batch.
 
-    The surrogate is the token-mean of A_t · π(y_t) / π_old(y_t) over the response tokens; the
-    Fisher is the Hessian of KL(stop_grad(π) ‖ π) on every ``fvp_subsample``-th sequence
-    (openai/baselines uses every 5th sample); the line search measures KL(π_old ‖ π_new) on the
-    same rows, from their old full-vocabulary log-probs kept here. One forward holds the whole
-    batch's logits [N, L, V]: this is for tiny models and small trainable sets (LoRA).
+    The surrogate is the token-mean of A_t · π(y_t) / π_old(y_t) over every response token of
+    the batch. Only the Fisher-vector product subsamples (the Hessian of KL(stop_grad(π) ‖ π)
+    on every ``fvp_subsample``-th sequence, as openai/baselines' ``trpo_mpi`` does with
+    ``arr[::5]``): the line search measures KL(π_old ‖ π_new) as a token-mean over every response
+    token of every row, from the whole batch's old full-vocabulary log-probs kept here, so an
+    accepted step is in the trust region for the batch, not just for the subsample, and
+    ``trpo/kl`` logs that KL. One forward holds the whole batch's logits [N, L, V]: this is for
+    tiny models and small trainable sets (LoRA).
     """
     ids, attn, mask = batch.input_ids, batch.attention_mask, batch.response_mask
     target, m = ids[:, 1:], mask[:, 1:]  # position t of the shifted tensors predicts token t + 1
@@ -474,14 +477,14 @@ def trpo_update(policy, params: list[torch.Tensor], batch: RolloutBatch, advanta
     every = torch.arange(batch.size, device=ids.device)
     with torch.no_grad():
         old = old_logps[:, 1:] if old_logps is not None else logps(every)  # [N, L - 1]
-        old_sub = torch.log_softmax(logits(sub), -1)  # [n, L - 1, V]
+        old_all = torch.log_softmax(logits(every), -1)  # [N, L - 1, V]: the trust region is the batch's
 
     def surrogate() -> torch.Tensor:
         return surrogate_objective(logps(every), old, advantages[:, 1:], m)
 
     def kl_old_new() -> torch.Tensor:
         with torch.no_grad():
-            return token_kl(old_sub, torch.log_softmax(logits(sub), -1), m[sub])
+            return token_kl(old_all, torch.log_softmax(logits(every), -1), m)
 
     # the Fisher-vector product differentiates twice: the fused attention kernels (flash, memory
     # efficient) and the lean MLP's backward have no double backward; PyTorch's math kernel and

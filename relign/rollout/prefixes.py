@@ -43,10 +43,12 @@ def continue_prefixes(engine, prefixes: Sequence[Sequence[int]], params: Samplin
     """``params.n`` continuations of every prefix, in order, from one ``engine.generate`` call.
 
     ``cost``: one ``Cost`` for the whole call, or one per prefix (the owner: a problem in a
-    lockstep batch). A de-duplicated prefix is charged to its first owner; every owner that
-    took part is charged one engine call. ``seeds``: one per prefix (a duplicate uses the seed
-    of its first occurrence); callers derive them from what identifies the request (problem,
-    node, attempt), never from its position, so results do not depend on the batch.
+    lockstep batch). With owners, a prefix is de-duplicated within its owner only: two problems
+    whose prompts tokenize alike are two requests, each sampled with its own seed and charged to
+    its own cost, so a problem's result does not depend on what else is in the batch. Every owner
+    that took part is charged one engine call. ``seeds``: one per prefix (a duplicate uses the
+    seed of its first occurrence); callers derive them from what identifies the request
+    (problem, node, attempt), never from its position, so results do not depend on the batch.
     ``dedup=False`` sends every prefix as it is (an ablation: VinePPO's ``dedup``).
     """
     if not prefixes:
@@ -56,12 +58,13 @@ def continue_prefixes(engine, prefixes: Sequence[Sequence[int]], params: Samplin
     owners = list(cost) if isinstance(cost, Sequence) else None
     if owners is not None and len(owners) != len(prefixes):
         raise ValueError(f"continue_prefixes: {len(owners)} costs for {len(prefixes)} prefixes")
-    first: dict[tuple[int, ...], int] = {}  # prefix -> index into unique
+    first: dict[tuple, int] = {}  # (owner, prefix) -> index into unique
     unique: list[list[int]] = []
     unique_seeds: list[int] = []
     slot: list[int] = []
     for i, p in enumerate(prefixes):
-        key = tuple(p) if dedup else (i,)
+        # a prefix is shared within its owner (a problem), never across owners
+        key = ((id(owners[i]) if owners is not None else None), tuple(p)) if dedup else (i,)
         j = first.get(key)
         if j is None:
             j = first[key] = len(unique)
@@ -86,7 +89,7 @@ def continue_prefixes(engine, prefixes: Sequence[Sequence[int]], params: Samplin
             if id(c) not in called:  # one engine call per owner, however many prefixes it sent
                 called.add(id(c))
                 c.engine_calls += 1
-            if j not in charged:  # the first owner of a unique prefix pays for it
+            if j not in charged:  # a unique prefix is charged once, to its owner
                 charged.add(j)
                 c.prompt_tokens += len(unique[j])
                 c.generated_tokens += sum(len(x.token_ids) for x in outs[j])

@@ -75,7 +75,7 @@ class StepBeam(BeamOptions, StepSearch):
             spent0 = [c.generated_tokens for c in costs]
             proposals = self._propose(engine, problems, live, active, clocks, costs, seed, marker)
             jobs = [ScoreJob(i, step_texts(b.ids, self.tokenizer, self.delimiter, cache)) for i, b, *_ in proposals]
-            scores = score_jobs(scorer, problems, jobs, costs, failed, self.aggregate)
+            scores = score_jobs(scorer, problems, jobs, costs, failed, self.aggregate, allow_reference=self.allow_reference)
             kept: dict[int, list[_Beam]] = {i: [] for i in live}
             for (i, beam, terminal, text, finish), s in zip(proposals, scores):
                 if i in failed:
@@ -138,7 +138,8 @@ class StepBeam(BeamOptions, StepSearch):
                                  [costs[i] for i in asks], seeds=[derive_seed(seed, problems[i].id, _FINISH) for i in asks])
         finished = [(i, active[i][0].ids + list(c[0].token_ids), c[0].finish_reason) for i, c in zip(asks, outs)]
         jobs = [ScoreJob(i, step_texts(ids, self.tokenizer, self.delimiter, cache)) for i, ids, _ in finished]
-        for (i, ids, finish), s in zip(finished, score_jobs(scorer, problems, jobs, costs, failed, self.aggregate)):
+        scores = score_jobs(scorer, problems, jobs, costs, failed, self.aggregate, allow_reference=self.allow_reference)
+        for (i, ids, finish), s in zip(finished, scores):
             if i not in failed:
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
                 done[i].append(Candidate(ids, text, answer_of(task, text, problems[i].extra_info), score=s,

@@ -99,8 +99,15 @@ class ScoreJob:
 
 
 def score_jobs(scorer, problems: Sequence[Problem], jobs: list[ScoreJob], costs: Sequence[Cost], failed: dict[int, str],
-               aggregate: str) -> list[float | None]:
+               aggregate: str, *, allow_reference: bool = False) -> list[float | None]:
     """Score every job in one scorer call (batched across problems) and aggregate its step scores.
+
+    A problem's ``extra_info`` holds its gold answer: a scorer receives it only when the search
+    may read the reference (``allow_reference``: training-time data generation) or when the
+    scorer declares it reads a problem's givens and has passed ``check_reference``
+    (``reads_extra_info``: the task's own rule reward, whose task needs no gold answer or was
+    allowed one). Any other scorer, a learned one or a user's, gets empty dicts: it cannot read
+    the answer in eval, by accident or not.
 
     If the call raises, each problem's jobs are scored on their own so the error is pinned on
     the problems that cause it: those are recorded in ``failed`` (problem index -> message) and
@@ -111,9 +118,12 @@ def score_jobs(scorer, problems: Sequence[Problem], jobs: list[ScoreJob], costs:
     live = [i for i, j in enumerate(jobs) if j.owner not in failed]
     out: list[float | None] = [None] * len(jobs)
 
+    givens = allow_reference or getattr(scorer, "reads_extra_info", False)
+
     def call(idx: list[int]) -> list[list[float]]:
         ps = [problems[jobs[i].owner] for i in idx]
-        res = scorer.score([p.question for p in ps], [jobs[i].steps for i in idx], [p.extra_info for p in ps])
+        infos = [p.extra_info if givens else {} for p in ps]
+        res = scorer.score([p.question for p in ps], [jobs[i].steps for i in idx], infos)
         if len(res) != len(idx):
             raise ValueError(f"scorer returned {len(res)} results for {len(idx)} solutions")
         return res

@@ -317,7 +317,7 @@ class MCTS(MctsOptions, StepSearch):
                     for k, (ids, _, _) in enumerate(rollout_done[(i, v)]):
                         jobs.append(ScoreJob(i, step_texts(ids, decode, self.delimiter, self._cache)))
                         targets.append((i, v, f"rollout:{k}"))
-        scores = score_jobs(scorer, problems, jobs, costs, failed, self.aggregate)
+        scores = score_jobs(scorer, problems, jobs, costs, failed, self.aggregate, allow_reference=self.allow_reference)
         values: dict[tuple[int, int], list[float]] = {}
         for (i, v, what), s in zip(targets, scores):
             if i in failed or s is None:
@@ -378,7 +378,7 @@ class MCTS(MctsOptions, StepSearch):
             asks.append((i, v))
         done = self._rollouts(engine, trees, asks, 1, costs, seed, _FINISH)
         jobs = [ScoreJob(i, step_texts(done[(i, v)][0][0], self.tokenizer, self.delimiter, self._cache)) for i, v in asks]
-        scores = score_jobs(scorer, problems, jobs, costs, failed, self.aggregate)
+        scores = score_jobs(scorer, problems, jobs, costs, failed, self.aggregate, allow_reference=self.allow_reference)
         for (i, v), s in zip(asks, scores):
             if i in failed:
                 continue

@@ -88,7 +88,8 @@ class SampleAndSelect:
                     clocks[i].samples += len(completions)
             if scorer is not None:
                 jobs = [ScoreJob(i, step_texts(c.token_ids, self.tokenizer, self.delimiter, cache)) for i, c in new]
-                scores = score_jobs(scorer, problems, jobs, costs, failed, self.aggregate)
+                scores = score_jobs(scorer, problems, jobs, costs, failed, self.aggregate,
+                                    allow_reference=self.allow_reference)
                 for (_, c), s in zip(new, scores):
                     c.score = s
             for i, c in new:

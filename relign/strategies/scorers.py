@@ -6,6 +6,10 @@ reward model) scores the solution as a whole and returns one value, the score of
 step; a process reward model returns one value per step. ``aggregate_step_scores`` turns
 either into one number (``last`` works for both).
 
+A scorer receives the problems' ``extra_info`` (which holds the gold answer) only when it says it
+reads it (``reads_extra_info``, vetted by ``check_reference``) or the search may read the
+reference (``allow_reference``); otherwise empty dicts (``common.score_jobs``).
+
 * ``TaskRuleScorer``: the task's own reward (its correctness ``score``). For a task whose
   reward reads the gold answer this is an oracle: search refuses it unless ``allow_reference``
   (training-time data generation: rStar-Math, VinePPO, ReST-EM). ``relign eval`` never allows it.
@@ -19,7 +23,8 @@ either into one number (``last`` works for both).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -49,6 +54,7 @@ class TaskRuleScorer:
     scores 0 and is counted); without one the reward runs here and an exception scores 0."""
 
     needs_reference: bool
+    reads_extra_info = True  # its reward reads the problem's givens; check_reference vets the gold answer
 
     def __init__(self, task, pool=None):
         self.task, self.pool = task, pool
@@ -74,16 +80,22 @@ class TaskRuleScorer:
 
 
 class _OutcomeScorer:
-    """A learned outcome scorer (``models.reward``) on the joined steps: one score per solution."""
+    """A learned outcome scorer (``models.reward``) on the joined steps: one score per solution,
+    through ``squash`` (a monotone map to [0, 1]) when the model's own scores are unbounded."""
 
     needs_reference = False
 
-    def __init__(self, inner):
-        self.inner = inner
+    def __init__(self, inner, squash: Callable[[float], float] | None = None):
+        self.inner, self.squash = inner, squash
 
     def score(self, problems: list[str], steps: list[list[str]], extra_infos: list[dict] | None = None
               ) -> list[list[float]]:
-        return [[float(s)] for s in self.inner.score(list(problems), ["".join(x) for x in steps])]
+        out = [float(s) for s in self.inner.score(list(problems), ["".join(x) for x in steps])]
+        return [[self.squash(s) if self.squash else s] for s in out]
+
+
+def _sigmoid(r: float) -> float:
+    return 1.0 / (1.0 + math.exp(-r)) if r >= 0 else math.exp(r) / (1.0 + math.exp(r))
 
 
 def VerifierScorer(path: str, **kwargs: Any) -> _OutcomeScorer:  # noqa: N802 - reads as a class
@@ -92,8 +104,16 @@ def VerifierScorer(path: str, **kwargs: Any) -> _OutcomeScorer:  # noqa: N802 - 
 
 
 def RewardModelScorer(path: str, **kwargs: Any) -> _OutcomeScorer:  # noqa: N802
-    """A Bradley-Terry reward model's r(x, y)."""
-    return _OutcomeScorer(reward_models.RewardModelScorer(path, **kwargs))
+    """A Bradley-Terry reward model's sigma(r(x, y)): the probability, under the Bradley-Terry model
+    it was trained with, that the solution is preferred over one of reward 0.
+
+    Why the sigmoid: r is unbounded and often negative, and a weighted vote (weighted_majority,
+    step_beam select=weighted_vote, mcts answer=weighted_vote) sums its weights per answer, so
+    raw scores can elect the answer fewer samples agree on (four samples of -1.0 each lose to one
+    of -0.8). sigma is monotone: best_of_n, beam ranking and argmax choices are unchanged, and MCTS
+    values then lie in [0, 1] like a verifier's P(Yes). (RL's learned reward, ``reward.model``,
+    stays the raw r.)"""
+    return _OutcomeScorer(reward_models.RewardModelScorer(path, **kwargs), squash=_sigmoid)
 
 
 class PRMScorer:

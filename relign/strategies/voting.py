@@ -72,10 +72,17 @@ def weighted_vote(
     ``majority(vote(answers, equal))``.
 
     A weight of None (the sample was not scored) or NaN counts 0. A tie goes to the answer seen
-    first. None when no sample has an answer.
+    first. None when no sample has an answer. Weights must be non-negative (a probability-like
+    score: a verifier's P(Yes), a PRM's step probability, sigma of a reward model's r): summed
+    negative weights elect the answer fewer samples agree on ([-1.2, -0.9, -1.0, -1.1] for one
+    answer lose to [-0.8] for another), so a negative weight is an error, not a vote.
     """
     if len(weights) != len(answers):
         raise ValueError(f"weighted_vote needs one weight per answer, got {len(answers)} answers and {len(weights)} weights")
+    negative = [w for w in weights if w is not None and w < 0]
+    if negative:
+        raise ValueError(f"weighted_vote needs non-negative weights (a probability-like score), got {negative[0]:g}: "
+                         "map an unbounded score (a reward model's r) through a sigmoid first")
     best: list[int] | None = None
     best_total = 0.0
     for cluster in vote(answers, equal):

@@ -35,7 +35,7 @@ def _groups():
             _ep(" e", 1.0),              # 5 pass, over the cap of 2
         ]),
         NS(prompt_text="P1", draw=1, episodes=[_ep("x", 0.0), _ep("y", 1.0, "length")]),  # nothing passes
-        NS(prompt_text="P5", draw=5, episodes=[_ep("z", 2.0, score=1.0)]),                 # reward 2 >= 1: passes
+        NS(prompt_text="P5", draw=5, episodes=[_ep("z", 2.0, score=1.0)]),                 # score 1 >= 1: passes
     ]
 
 
@@ -47,6 +47,24 @@ def test_filter_keeps_correct_finished_completions_up_to_the_cap():
     assert [(r["problem"], r["sample"], r["prompt"], r["response"]) for r in records] == [
         (0, 0, "P0", " a"), (0, 4, "P0", " d"), (5, 0, "P5", "z")]
     assert records[2]["reward"] == 2.0 and records[2]["score"] == 1.0
+
+
+def test_filter_keeps_correct_answers_not_well_formatted_wrong_ones():
+    """The E-step keeps correct completions. GSM8K's own reward with a format bonus of 1.0 gives
+    a wrong answer written as asked ("#### 5" for 7) the reward 1.0 and the score 0: it must not
+    become a fine-tuning target, whatever the bonus."""
+    from relign.envs.gsm8k import reward as gsm8k_reward
+
+    info = {"answer": "7"}
+    texts = ["3 + 4 = 7\n#### 7", "3 + 4 = 5\n#### 5", "the answer is 7"]
+    episodes = []
+    for t in texts:
+        r = gsm8k_reward("P", t, info, format_weight=1.0)
+        episodes.append(_ep(t, r["reward"], score=r["score"]))
+    assert [e.reward for e in episodes] == [2.0, 1.0, 1.0] and [e.score for e in episodes] == [1.0, 0.0, 1.0]
+    records, stats = filter_samples([NS(prompt_text="P", draw=0, episodes=episodes)], threshold=1.0, max_per_prompt=10)
+    assert [r["response"] for r in records] == [texts[0], texts[2]]  # the correct ones, formatted or not
+    assert stats["correct"] == 2
 
 
 def test_filter_threshold_and_cap_arithmetic():

@@ -726,7 +726,8 @@ class NoisyVerifier(_TreeScorer):
             mean = self.mean_correct if tree.leaf_answer(path) == CORRECT else self.mean_wrong
         else:
             mean = tree.p_correct(path)
-        return mean + self.noise(tree, path, done, self.sd)
+        # a verifier's P(Yes): the noisy score clipped to [0, 1], a weight a vote can sum
+        return min(1.0, max(0.0, mean + self.noise(tree, path, done, self.sd)))
 
 
 class ExactVerifier(_TreeScorer):

@@ -4,6 +4,7 @@ offline model with its locally trained tokenizer."""
 
 from __future__ import annotations
 
+import math
 import dataclasses
 
 import pytest
@@ -190,7 +191,8 @@ def test_reward_model_scorer_one_score_per_solution(tiny_model_dir, tokenizer, t
     got = scorer.score(PROBLEMS + PROBLEMS[:1], STEPS + [["something else entirely"]])
     assert [len(g) for g in got] == [1, 1, 1]
     assert len({g[0] for g in got}) == 3  # a real ranking, not the zero head
-    want = scorer.inner.score(PROBLEMS, ["".join(s) for s in STEPS])
-    assert [g[0] for g in got[:2]] == pytest.approx(want, abs=1e-5)
+    # sigma(r): the Bradley-Terry probability of beating a response of reward 0 (weights a vote can sum)
+    want = [1 / (1 + math.exp(-r)) for r in scorer.inner.score(PROBLEMS, ["".join(s) for s in STEPS])]
+    assert [g[0] for g in got[:2]] == pytest.approx(want, abs=1e-6)
     again = load_scorer("rm", path=str(rm_dir)).score(PROBLEMS, STEPS)
     assert [g[0] for g in again] == pytest.approx([g[0] for g in got[:2]], abs=1e-5)

@@ -241,25 +241,26 @@ def test_generated_tokens_match_the_engine(setup):
         assert r.candidates
 
 
-def test_continue_prefixes_dedups_and_charges_each_owner_once():
+def test_continue_prefixes_dedups_within_an_owner_and_charges_each_owner_its_own():
     eng = trap_engine()
     p0, p1 = [PROMPT0], [PROMPT0 + 1]
     c0, c1, c2 = Cost(), Cost(), Cost()
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=MAX_NEW)
     out = continue_prefixes(eng, [p0, p1, p0, p0], params, [c0, c1, c2, c0], seeds=[5, 6, 7, 8])
-    assert eng.calls == 1 and eng.prompts_seen == 2  # identical prefixes sent once, one call
+    # c0's two p0 requests are one; c2's p0 is its own request (its own seed), not c0's samples
+    assert eng.calls == 1 and eng.prompts_seen == 3
     assert len(out) == 4 and all(len(x) == 3 for x in out)
-    assert out[0] is out[2] is out[3]  # every caller of a prefix gets its completions
-    # a prefix is charged to its first owner; every owner is charged one engine call
+    assert out[0] is out[3] and out[2] is not out[0]
+    # every owner is charged one engine call and its own prefixes' tokens
     assert (c0.engine_calls, c1.engine_calls, c2.engine_calls) == (1, 1, 1)
-    assert c0.generated_tokens == sum(len(c.token_ids) for c in out[0])
-    assert c1.generated_tokens == sum(len(c.token_ids) for c in out[1])
-    assert c2.generated_tokens == 0 and c2.prompt_tokens == 0
-    assert c0.generated_tokens + c1.generated_tokens == eng.tokens_generated
-    assert (c0.prompt_tokens, c1.prompt_tokens) == (1, 1)
-    # a duplicate uses the seed of its first occurrence: the same as p0 alone with seed 5
+    for c, o in ((c0, out[0]), (c1, out[1]), (c2, out[2])):
+        assert c.generated_tokens == sum(len(x.token_ids) for x in o) and c.prompt_tokens == 1
+    assert c0.generated_tokens + c1.generated_tokens + c2.generated_tokens == eng.tokens_generated
+    # a duplicate uses the seed of its first occurrence: the same as p0 alone with seed 5; c2's, seed 7's
     alone = continue_prefixes(trap_engine(), [p0], params, seeds=[5])[0]
     assert [c.token_ids for c in alone] == [c.token_ids for c in out[0]]
+    assert [c.token_ids for c in continue_prefixes(trap_engine(), [p0], params, seeds=[7])[0]] == \
+        [c.token_ids for c in out[2]]
     # one Cost for the whole call
     c = Cost()
     eng2 = trap_engine()

@@ -85,9 +85,10 @@ def test_weighted_vote_missing_answers_and_weights():
     assert weighted_vote([], []) is None
 
 
-def test_weighted_vote_negative_weights_and_equivalence():
-    # scores may be negative (logits): "a" -1 + -1 = -2 < "b" -0.5
-    assert weighted_vote(["a", "b", "a"], [-1.0, -0.5, -1.0]) == [1]
+def test_weighted_vote_refuses_negative_weights_and_uses_the_equivalence():
+    # summed negative scores would elect "b" (-0.5 > -1 + -1) though more samples agree on "a"
+    with pytest.raises(ValueError, match="non-negative"):
+        weighted_vote(["a", "b", "a"], [-1.0, -0.5, -1.0])
     same_number = lambda a, b: Fraction(a) == Fraction(b)  # noqa: E731
     answers, weights = ["1/2", "0.5", "3"], [0.375, 0.375, 0.625]
     assert weighted_vote(answers, weights) == [2]  # string equality: 0.375, 0.375, 0.625 -> "3"
