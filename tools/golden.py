@@ -396,7 +396,9 @@ def cmd_record(a) -> int:
     if not Path(where).resolve().is_relative_to(repo):
         sys.exit(f"golden: the runs would import {where}, not the relign of {repo}")
     print(f"golden: relign from {where}; model {model}; {len(names)} presets", file=sys.stderr)
-    out = {"repo": str(repo), "model": str(model), "python": sys.version.split()[0], "presets": {}}
+    # what was run, without this machine's paths: the commit of the tree (+ "-dirty" with uncommitted changes)
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    out = {"commit": commit or "?", "model": Path(model).name, "python": sys.version.split()[0], "presets": {}}
     failed = 0
     for name in names:
         run = tmp / name

@@ -132,8 +132,7 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
     kind = "packed" if pack else ("shared" if share else "padded")
     layout = Layout(kind, group_size=ro.n if share else 1, max_tokens=cfg.max_tokens_per_micro,
                     max_rows=cfg.micro_batch_size)
-    loss_fn = ActorLoss(a.policy_loss, a.clip_low, a.clip_high, a.dual_clip, a.kl_coef if a.kl == "loss" else 0.0,
-                        a.kl_estimator, a.entropy_coef, a.loss_agg, collector.max_response_tokens)
+    loss_fn = actor_loss(a, collector.max_response_tokens)
     options = AdvantageOptions(ro.n, a.scale_rewards, a.gamma, a.lam, a.whiten_advantages)
     r = _Run(tok, tr.model, ref, critic, engine, collector, tr.sampler, tr.optimizer, tr.scheduler, critic_opt, layout,
              loss_fn, estimator, options, tracker, evaluator, tr.start, delimiter)
@@ -146,6 +145,12 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
         return tensors, models
 
     return r, frame.saver(run, tr, tok, extra=extra)
+
+
+def actor_loss(a: AlgorithmConfig, max_len: int) -> ActorLoss:
+    """The actor loss of ``algorithm.*``: the KL is a loss term only with algorithm.kl=loss."""
+    return ActorLoss(a.policy_loss, a.clip_low, a.clip_high, a.dual_clip, a.kl_coef if a.kl == "loss" else 0.0,
+                     a.kl_estimator, a.entropy_coef, a.loss_agg, max_len, a.kl_agg, a.kl_clamp)
 
 
 def _critic(cfg: Config, ckpt, device) -> tuple[ValueModel, torch.optim.Optimizer]:
@@ -271,7 +276,8 @@ def _values(run: _Run, cfg: Config, step: int, groups, batch, micro) -> tuple[ob
     if getattr(run.engine, "weights_stale", False):  # a vLLM engine that slept at level 2 dropped them
         run.engine.load_weights(engine_weights(run.engine, run.policy))
     values, stats = mc_step_values(
-        run.engine, run.tok, episodes, score=lambda p, r, i: [x.reward for x in c.pool.score(p, r, i)], params=c.sampling,
+        run.engine, run.tok, episodes, params=c.sampling,
+        score=lambda p, r, i, ids: [x.reward for x in c.pool.score(p, r, i, completion_ids=ids)],
         k=v.k, max_steps=v.max_steps, delimiter=run.step_delimiter, dedup=v.dedup,
         adaptive=AdaptiveK() if v.adaptive else None, seed=cfg.seed, step=step)
     run.engine.sleep()

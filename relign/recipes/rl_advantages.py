@@ -119,6 +119,11 @@ def _check_vine(cfg) -> None:
     v = cfg.vine
     if v.k < 1 or (v.max_steps is not None and v.max_steps < 0):
         raise ConfigError("vine.k must be >= 1 and vine.max_steps >= 0 (or null)")
+    if cfg.algorithm.kl == "reward":
+        # The step rewards are [0, ..., 0, R] and V̂ has no KL: a sequence KL in R would all land
+        # on the last step, wherever it was spent. The reference puts the KL in the loss only.
+        raise ConfigError("algorithm.advantage=vine cannot take algorithm.kl=reward (its step rewards and Monte-Carlo "
+                          "values carry no per-step KL): use algorithm.kl=loss, as the VinePPO reference does")
     if cfg.reward.model:
         raise ConfigError("algorithm.advantage=vine scores its Monte-Carlo continuations with the task's rule reward; "
                           "it cannot be combined with reward.model yet")

@@ -62,6 +62,11 @@ class AlgorithmConfig:
     """beta of the KL term (> 0 when algorithm.kl is loss or reward)."""
     kl_estimator: str = "k3"
     """k1, k2 or k3."""
+    kl_agg: str = ""
+    """The KL loss term's own reduction (algorithm.kl=loss): empty = loss_agg's, per token with the policy term;
+    seq-mean-token-sum = VinePPO's reference (each sequence's KL summed over its tokens, averaged over sequences)."""
+    kl_clamp: float = 0.0
+    """Clamp each token's KL estimate to [0, kl_clamp] in the loss (0 = off; VinePPO's reference: 10)."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
     ppo_epochs: int = 1
@@ -220,7 +225,7 @@ def check_counts(cfg: Config) -> None:
     check_non_negative(cfg, "max_seconds", "max_tokens_per_micro", "micro_batch_size", "traces_per_step", "rollout.top_k",
                        "rollout.max_response_tokens", "rollout.min_new_tokens", "task.max_rows", "task.reward_workers",
                        "task.format_weight", "algorithm.clip_low", "algorithm.clip_high", "algorithm.kl_coef",
-                       "algorithm.entropy_coef", "algorithm.tis_cap", "algorithm.overlong_cache",
+                       "algorithm.entropy_coef", "algorithm.kl_clamp", "algorithm.tis_cap", "algorithm.overlong_cache",
                        "algorithm.overlong_factor", "critic.value_clip", "eval.every", "eval.max_rows",
                        "eval.max_new_tokens")
     check_fraction(cfg, "rollout.top_p", "algorithm.gamma", "algorithm.lam", closed=True)
@@ -263,6 +268,10 @@ def check(cfg: Config) -> None:
     check_choice("algorithm.loss_agg", a.loss_agg, MODES)
     check_choice("algorithm.kl", a.kl, ("none", "loss", "reward"))
     check_choice("algorithm.kl_estimator", a.kl_estimator, ("k1", "k2", "k3"))
+    check_choice("algorithm.kl_agg", a.kl_agg, ("", *MODES))
+    if (a.kl_agg or a.kl_clamp) and a.kl != "loss":
+        raise ConfigError(f"algorithm.kl_agg / algorithm.kl_clamp shape the KL term of the loss: they need algorithm.kl=loss "
+                          f"(got algorithm.kl={a.kl})")
     check_choice("algorithm.overlong", a.overlong, ("none", "penalty", "mask"))
     check_choice("reward.kind", cfg.reward.kind, ("auto", "rm", "verifier"))
     if a.kl != "none" and a.kl_coef <= 0:

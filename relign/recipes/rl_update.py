@@ -260,7 +260,10 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
 @dataclass(frozen=True)
 class ActorLoss:
     """The per-token actor loss: policy surrogate (times the TIS weight), + beta * KL when the KL
-    is a loss term, - the entropy bonus; reduced with ``agg`` over the mini-batch."""
+    is a loss term, - the entropy bonus; reduced with ``agg`` over the mini-batch. With its own
+    ``kl_agg`` the KL term is reduced apart: beta * aggregate(KL, kl_agg) is added to the
+    reduced policy loss (VinePPO's reference: the clamped k3 summed over each sequence's tokens,
+    averaged over sequences, beside a token-mean policy term)."""
 
     policy_loss: str = "ppo_clip"
     clip_low: float = 0.2
@@ -273,18 +276,32 @@ class ActorLoss:
     agg: str = "token-mean"
     max_len: int = 0
     """The constant L of seq-mean-token-sum-norm (the longest possible response)."""
+    kl_agg: str = ""
+    """How the KL term is reduced ("": with the policy term, per token under ``agg``)."""
+    kl_clamp: float = 0.0
+    """Clamp each token's KL estimate to [0, kl_clamp] in the loss (0: off); actor/kl logs it unclamped."""
+
+    @property
+    def kl_apart(self) -> bool:
+        """Whether the KL term is reduced on its own (``kl_agg`` set and not ``agg``)."""
+        return self.kl_coef > 0 and bool(self.kl_agg) and self.kl_agg != self.agg
 
     def __call__(self, logps, old_logps, advantages, mask, *, ref_logps=None, entropy=None, tis=None):
-        """logps, old_logps, advantages, mask, ref_logps, entropy, tis: [n, L]. Returns (loss [n, L], info)."""
+        """logps, old_logps, advantages, mask, ref_logps, entropy, tis: [n, L]. Returns (loss [n, L], info);
+        with ``kl_apart``, info["kl_loss"] [n, L] is the KL term to reduce with ``kl_agg``."""
         loss, info = POLICY_LOSSES[self.policy_loss].fn(logps, old_logps, advantages, mask, clip_low=self.clip_low,
                                                          clip_high=self.clip_high, dual_clip=self.dual_clip)
         if tis is not None:
             loss = loss * tis
         if ref_logps is not None:
             kl = kl_estimate(logps, ref_logps, self.kl_estimator)
-            if self.kl_coef > 0:
-                loss = loss + self.kl_coef * kl
             info["kl"] = kl.detach()
+            if self.kl_clamp > 0:
+                kl = kl.clamp(0.0, self.kl_clamp)
+            if self.kl_apart:
+                info["kl_loss"] = kl
+            elif self.kl_coef > 0:
+                loss = loss + self.kl_coef * kl
         if self.entropy_coef > 0:
             loss = loss + self.entropy_coef * entropy_bonus_loss(entropy)
         return loss, info
@@ -390,6 +407,7 @@ def update_policy(policy, optimizer, scheduler, params, batch: RolloutBatch, min
                 scheduler.step()
             continue
         normalizer = aggregate_count(mask[b_rows], loss_fn.agg, max_len=loss_fn.max_len)
+        kl_normalizer = aggregate_count(mask[b_rows], loss_fn.kl_agg, max_len=loss_fn.max_len) if loss_fn.kl_apart else None
         loss_sum = torch.zeros((), dtype=torch.float64, device=mask.device)  # stays on device: no sync per micro-batch
         prefix = GroupPrefix()
         run_rows = _live_groups(b_rows, inert, batch.group_size) if skip_inert else b_rows
@@ -406,7 +424,11 @@ def update_policy(policy, optimizer, scheduler, params, batch: RolloutBatch, min
             loss_tok, info = loss_fn(logps, old, advantages[mb_rows], mb_mask, entropy=ent,
                                      ref_logps=ref_logps[mb_rows] if ref_logps is not None else None,
                                      tis=tis[mb_rows] if tis is not None else None)
-            loss = aggregate(loss_tok, mb_mask, loss_fn.agg, normalizer, max_len=loss_fn.max_len) * m.weight
+            loss = aggregate(loss_tok, mb_mask, loss_fn.agg, normalizer, max_len=loss_fn.max_len)
+            if loss_fn.kl_apart:  # beta * the KL term under its own reduction, over the same mini-batch
+                loss = loss + loss_fn.kl_coef * aggregate(info["kl_loss"], mb_mask, loss_fn.kl_agg, kl_normalizer,
+                                                          max_len=loss_fn.max_len)
+            loss = loss * m.weight
             (loss * world).backward()  # FSDP averages gradients over ranks: make it their sum
             if m.last_part:  # the group's prompt: its backward, once
                 prefix.finish()

@@ -29,7 +29,7 @@ from relign.recipes.rl_update import (
 from relign.rollout.batch import build_batch
 from relign.rollout.multiturn import Episode
 
-from ..conftest import torch_threads
+from ..conftest import REPO, torch_threads
 
 G = 4
 TOL = 1e-5
@@ -611,3 +611,40 @@ def test_critic_layouts_and_micro_batches_same_loss_and_grads(critic_proto, batc
     for layout in (Layout("packed"), Layout("packed", max_rows=2), Layout("padded", max_tokens=30),
                    Layout("shared", group_size=G, max_rows=G)):
         _assert_same(_critic_update(critic_proto, batch, layout, **kw), padded)
+
+
+@pytest.mark.parametrize("mini_batches", [1, 3])
+def test_the_vineppo_presets_kl_term_is_the_references(proto, batch, mini_batches):
+    """VinePPO's reference adds beta * mean over sequences of sum_t clamp(k3_t, 0, 10) to a
+    token-mean policy loss (its ``sum(dim=1).mean()``). With relign's VinePPO preset (its
+    algorithm.* read from the shipped YAML, the actor loss built as rl.train builds it), the logged
+    loss of an update with zero advantages (the policy term is 0) is that number, worked out here
+    per sequence, whatever the mini-batches. A per-token beta * k3 under token-mean would be the
+    mean response length (~10) times weaker."""
+    from relign.config import load_config
+    from relign.recipes import rl
+
+    a = load_config(rl.Config, str(REPO / "relign" / "presets" / "vineppo.yaml")).algorithm
+    assert (a.kl, a.kl_estimator, a.kl_agg, a.kl_clamp, a.loss_agg) == ("loss", "k3", "seq-mean-token-sum", 10.0, "token-mean")
+    beta = a.kl_coef
+    loss_fn = rl.actor_loss(a, max_len=32)
+    mask = batch.response_mask
+    g = torch.Generator().manual_seed(3)
+    ref = (score_logps(proto, batch, plan(batch, torch.arange(batch.size), Layout("padded")), Layout("padded"),
+                       temperature=1.0) + 2.0 * torch.randn(mask.shape, generator=g)) * mask  # k3 up to past 10
+    groups = torch.arange(batch.size).view(-1, G)
+    parts = [p.flatten() for p in torch.tensor_split(groups, mini_batches)]
+    losses, _, _ = _update(proto, batch, Layout("padded"), loss_fn, mini_batches=parts,
+                           advantages=torch.zeros_like(mask), ref_logps=ref)
+    with torch.no_grad():
+        lp, _ = forward_logps(proto, batch, torch.arange(batch.size), Layout("padded"), temperature=1.0)
+    for rows, loss in zip(parts, losses):
+        per_seq = []
+        for i in rows.tolist():
+            total = 0.0
+            for t in mask[i].nonzero().flatten().tolist():
+                d = ref[i, t].item() - lp[i, t].item()
+                total += min(max(math.exp(d) - d - 1.0, 0.0), 10.0)  # k3, clamped as the reference does
+            per_seq.append(total)
+        assert loss == pytest.approx(beta * sum(per_seq) / len(per_seq), rel=1e-5)
+    assert max(per_seq) > 10  # some tokens were clamped: the clamp is exercised

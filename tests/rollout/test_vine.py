@@ -18,7 +18,7 @@ from ..strategies.fake_tree_engine import (
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=64)
 
 
-def _score(prompts, responses, infos):
+def _score(prompts, responses, infos, completion_ids):
     return [toy_reward(p, r, i) for p, r, i in zip(prompts, responses, infos)]
 
 
@@ -77,7 +77,8 @@ def test_estimates_are_unbiased_for_every_state_of_a_tree():
             checked += 1
     assert checked == 27 * 3
     assert stats["vine/unique_states"] == 1 + 3 + 9  # the 13 internal nodes, each sent once
-    assert engine.calls == 1 and stats["vine/engine_calls"] == 1
+    # one call per remaining budget: the states at depth 0, 1 and 2 hold 0, 2 and 4 response tokens
+    assert engine.calls == 3 and stats["vine/engine_calls"] == 3
 
 
 def test_identical_states_are_sent_once():
@@ -85,15 +86,21 @@ def test_identical_states_are_sent_once():
     bank = TreeBank({0: random_tree(0, seed=1, depth=2, branching=2)})
     tree = bank(0)
     paths = [tree.leaves()[i % len(tree.leaves())] for i in range(8)]
+    out = {}
     for dedup, want in ((True, 1 + 2), (False, 8 * 2)):
         engine = FakeTreeEngine(bank)
         values, stats = mc_step_values(engine, FakeTokenizer(), [_episode(tree, p) for p in paths], score=_score,
                                        params=PARAMS, k=3, dedup=dedup)
         assert stats["vine/states"] == 16 and stats["vine/unique_states"] == want
-        assert engine.calls == 1 and engine.prompts_seen == want
+        assert engine.calls == 2 and engine.prompts_seen == want  # s_0 and s_1 hold different budgets
         assert engine.tokens_generated == stats["vine/mc_tokens"]
-        # the same state always gets the same estimate, deduplicated or not (seeds come from its tokens)
-        assert len({tuple(v.mc) for v, p in zip(values, paths) if p == paths[0]}) == 1
+        out[dedup] = values
+    # de-duplicated, the same state always gets the same estimate (seeds come from its tokens); without
+    # de-duplication its first copy gets that same estimate (tests/rollout/test_vine_budget.py: the others
+    # are independent samples)
+    assert len({tuple(v.mc) for v, p in zip(out[True], paths) if p == paths[0]}) == 1
+    # (paths 0 .. 3 are the 4 leaves: s_0 is first sent for path 0, s_1 under branch 0 for path 0, under branch 1 for path 2)
+    assert out[False][0].mc == out[True][0].mc and out[False][2].mc[1] == out[True][2].mc[1]
 
 
 def test_max_steps_leaves_the_tail_unestimated():
@@ -111,8 +118,8 @@ def test_adaptive_k_stops_at_10_when_certain_and_at_30_when_not():
     assert k.more(0.5, 10) == 4 and k.more(0.5, 26) == 4 and k.more(0.5, 30) == 0
     bank = TreeBank({0: random_tree(0, seed=1, depth=1, branching=2)})
     tree = bank(0)
-    for score, want in ((lambda p, r, i: [1.0] * len(r), 10),
-                        (lambda p, r, i: [float(n % 2) for n in range(len(r))], 30)):
+    for score, want in ((lambda p, r, i, ids: [1.0] * len(r), 10),
+                        (lambda p, r, i, ids: [float(n % 2) for n in range(len(r))], 30)):
         engine = FakeTreeEngine(bank)
         values, stats = mc_step_values(engine, FakeTokenizer(), [_episode(tree, tree.leaves()[0])], score=score,
                                        params=PARAMS, adaptive=k)
