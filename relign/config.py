@@ -201,6 +201,8 @@ class TaskConfig:
     """Final-answer extractor 'file.py:function' (response, extra_info) -> str | None for maj@k (built-in tasks have one)."""
     equal_fn: str = ""
     """Answer equivalence 'file.py:function' (a, b) -> bool for maj@k (empty: the task's own, else string equality)."""
+    answer_format: str = "boxed"
+    """math: what counts as an answer: boxed (only \\boxed{}, what RL trains), boxed_or_final or any (eval; docs/tasks.md)."""
 
 
 @dataclass

@@ -79,12 +79,17 @@ def is_multi_turn(name: str) -> bool:
 
 def build_task(name: str, *, path: str = "", reward_fn: str = "", chat: bool = True, system_prompt: str = "",
                format_weight: float = 0.0, extract_fn: str = "", equal_fn: str = "", single_turn: bool = True,
-               reward_style: str = "auto") -> Task:
+               reward_style: str = "auto", answer_format: str = "boxed") -> Task:
     """The task as ``relign rl`` builds it (``reward_fn`` replaces a built-in task's reward; a
     custom task needs ``path`` and ``reward_fn``), with optional answer extractor / equivalence
     overrides for maj@k. ``single_turn`` refuses a task that runs in a multi-turn environment
-    (evaluation samples single completions). Problems a user can fix raise ``ConfigError``."""
+    (evaluation samples single completions). ``answer_format`` is the math task's (``"boxed"``,
+    ``"boxed_or_final"``, ``"any"``). Problems a user can fix raise ``ConfigError``."""
     opts: dict[str, Any] = {"chat": chat, "system_prompt": system_prompt or None}
+    if answer_format != "boxed":
+        if name not in ("math", "math500"):
+            raise ConfigError(f"task.answer_format={answer_format} applies to the math task, not task.name={name}")
+        opts["answer_format"] = answer_format
     if reward_fn and ":" not in reward_fn:
         reward_fn += ":reward"  # 'my_reward.py' means its function named reward, as in relign rl
     try:

@@ -274,6 +274,9 @@ def check(cfg: Config) -> None:
                           f"(got algorithm.kl={a.kl})")
     check_choice("algorithm.overlong", a.overlong, ("none", "penalty", "mask"))
     check_choice("reward.kind", cfg.reward.kind, ("auto", "rm", "verifier"))
+    if cfg.task.answer_format == "any":
+        raise ConfigError("task.answer_format=any reads an answer the response never stated (its last number or formula): "
+                          "it is for eval only; train with boxed (the default) or boxed_or_final")
     if a.kl != "none" and a.kl_coef <= 0:
         raise ConfigError(f"algorithm.kl={a.kl} needs algorithm.kl_coef > 0 (the beta of the KL term)")
     if a.kl == "none" and a.kl_coef > 0:

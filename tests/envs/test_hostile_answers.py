@@ -127,3 +127,73 @@ def test_long_numbers_are_no_answer():
     assert gsm8k.extract_answer("#### " + "1" * 64) == int("1" * 64)
     assert arith.extract_answer(f"#### {MEGA}") is None
     assert arith.extract_answer("#### -12.") == -12
+
+
+# --------------------------------------------------------------------------- the math task's new paths:
+# box groups (several boxes read as one answer) and final-answer statements (answer_format)
+
+MATH_FORMATS = ("boxed", "boxed_or_final", "any")
+MANY_BOXES = [
+    "".join(f"\\boxed{{{i}}}, " for i in range(100_000)),  # one long list: the group stops growing, then is refused
+    "\\boxed{1}, " * 100_000,  # the same answer, over and over
+    "".join(f"\\boxed{{{10_000 + i}}}, " for i in range(51)),  # a list just over MAX_ANSWER_CHARS
+    "\\boxed{9^{9^{9^9}}}, \\boxed{1}",  # one hostile member spoils the group
+    "\\boxed{1}, \\boxed{100000000!}",
+    "\\boxed{" * 100_000 + "1" + "}, \\boxed{2" * 1000,
+]
+LONG_STATEMENTS = [
+    "Final Answer: The final answer is " + MEGA,
+    "Final Answer: The final answer is $9^{9^{9^9}}$. I hope it is correct.",
+    "The answer is " + "(" * 10_000 + "1" + ")" * 10_000,
+    "Final Answer: The final answer is $\\binom{100000}{50000}$.",
+    "the answer is " + "\\frac{" * 5_000 + "1" + "}{2}" * 5_000,
+    "final answer " * 100_000,
+    "Answer:" + " " * 1_000_000 + "5",
+    "the answer is 4" + "\n" * 1_000_000,
+    "The final answer is " + "9" * 250 + "^{9^9}",  # the tower at the end of the window
+]
+
+
+@pytest.mark.parametrize("answer_format", MATH_FORMATS)
+def test_math_many_boxes_and_long_statements_are_wrong_and_fast(answer_format, no_exec):
+    t0 = time.perf_counter()
+    for response in MANY_BOXES + LONG_STATEMENTS + [slot for a in HOSTILE for slot in
+                                                    (f"Final Answer: The final answer is ${a}$. I hope it is correct.",
+                                                     f"The answer is {a}", a)]:
+        out = math_task.reward("prompt", response, {"answer": "5"}, answer_format=answer_format)
+        assert out["score"] == 0.0 and out["reward"] == 0.0, (answer_format, response[:40])
+    assert time.perf_counter() - t0 < 10
+
+
+def test_math_group_and_statement_bounds_hold_before_math_verify(monkeypatch):
+    import math_verify
+
+    def no_parse(*args, **kwargs):
+        raise AssertionError(f"math_verify saw {str(args)[:60]}")
+
+    monkeypatch.setattr(math_verify, "parse", no_parse)
+    monkeypatch.setattr(math_verify, "verify", no_parse)
+    group = math_task.boxed_answer(MANY_BOXES[0])
+    assert math_task.MAX_ANSWER_CHARS < len(group) < 2 * math_task.MAX_ANSWER_CHARS  # stopped growing, then refused
+    assert math_task.answer_problem(group) is not None
+    for response in MANY_BOXES[2:5] + LONG_STATEMENTS[1:5] + [LONG_STATEMENTS[-1]]:
+        for answer_format in MATH_FORMATS:
+            assert not math_task.is_correct(response, "5", answer_format), response[:40]
+    assert len(math_task.final_statement(LONG_STATEMENTS[0])) == math_task.MAX_ANSWER_CHARS
+
+
+def test_math_statements_never_reach_a_timeout(caplog):
+    with caplog.at_level(logging.WARNING, logger="math_verify"):
+        for response in LONG_STATEMENTS:
+            for answer_format in ("boxed_or_final", "any"):
+                assert not math_task.is_correct(response, "5", answer_format)
+    assert not [r for r in caplog.records if "Timeout" in r.getMessage()]
+
+
+def test_math_box_group_and_statement_scans_stay_linear():
+    t0 = time.perf_counter()
+    assert math_task.boxed_answer("\\boxed{1}" * 100_000) == "1"
+    assert math_task.final_statement("final answer " * 100_000).startswith("final answer")
+    assert math_task.final_statement("answer\n" * 100_000) is not None  # "Answer" at a line's start
+    assert math_task.final_statement("\n" * 1_000_000) is None
+    assert time.perf_counter() - t0 < 10
