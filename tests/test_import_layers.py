@@ -69,3 +69,16 @@ def test_the_checks_see_a_cycle_an_upward_import_and_what_type_checking_hides(tm
     assert [(i.source, i.target) for i in code_shape.upward(shape)] == [("relign.config", "relign.rundir")]
     assert [(i.source, i.in_function) for i in code_shape.own_imports(shape) if i.in_function] == [("relign.rundir", "f")]
     assert not any(i.source == "relign.algorithms.kl" for i in shape.imports)  # never runs
+
+
+def test_a_package_whose_init_imports_a_module_that_imports_the_package_back_is_a_cycle(tmp_path):
+    """``from relign.envs import gsm8k`` runs relign/envs/__init__.py first: when that imports the
+    importing module, the two import each other (what envs/tasks.py once did)."""
+    root = _package(tmp_path, {
+        "envs/__init__": "from relign.envs.tasks import TASKS\n",
+        "envs/gsm8k": "def task():\n    pass\n",
+        "envs/tasks": "from relign.envs import gsm8k\nTASKS = {}\n",
+    })
+    assert code_shape.cycles(code_shape.scan(root)) == [["relign.envs", "relign.envs.tasks"]]
+    (root / "relign" / "envs" / "tasks.py").write_text("from relign.envs.gsm8k import task\nTASKS = {}\n")
+    assert code_shape.cycles(code_shape.scan(root)) == []

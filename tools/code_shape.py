@@ -26,7 +26,7 @@ PACKAGE = "relign"
 # never one above. The first matching prefix wins, so a module can sit on another floor than its
 # package. Why each floor is where it is: docs/architecture.md.
 FLOORS: list[tuple[str, ...]] = [
-    ("relign.errors", "relign.algorithms"),                                           # 1: pure math, the error type
+    ("relign", "relign.errors", "relign.algorithms"),  # 1: the package's __init__ (env defaults), the error type, pure math
     ("relign.config", "relign.checks", "relign.distributed"),                        # 2
     ("relign.checkpoint", "relign.optim", "relign.tracking", "relign.data"),           # 3
     ("relign.envs", "relign.models", "relign.rundir", "relign.report"),                # 4
@@ -34,7 +34,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("relign.strategies",),                                                           # 6
     ("relign.evaluate",),                                                             # 7
     ("relign.recipes",),                                                              # 8
-    ("relign.commands", "relign.cli", "relign.__main__", "relign"),                   # 9: the command line
+    ("relign.commands", "relign.cli", "relign.__main__"),                             # 9: the command line
 ]
 
 
@@ -114,11 +114,13 @@ def scan(root: Path = ROOT) -> Shape:
             if isinstance(node, ast.Import):
                 return [a.name for a in node.names]
             base = _resolve(mod, is_package, node)
-            out = []
+            # ``from pkg import sub`` runs pkg/__init__.py too: an edge to the package as well as to the submodule
+            out = [base] if base != mod else []
             for a in node.names:
                 sub = f"{base}.{a.name}"
-                out.append(sub if sub in shape.modules else base)
-            return out
+                if sub in shape.modules:
+                    out.append(sub)
+            return out or [base]
 
         visit(tree, "")
     return shape

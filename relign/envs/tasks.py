@@ -16,9 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from relign.envs import calculator, countdown, gsm8k
-from relign.envs import math as math_task
 from relign.envs.base import Task, load_function, make_custom_task
+# each task's factory from its module, not through the package (relign/envs/__init__.py imports this module)
+from relign.envs.calculator import task as calculator_task
+from relign.envs.countdown import task as countdown_task
+from relign.envs.gsm8k import task as gsm8k_task
+from relign.envs.math import task as math_task
 from relign.envs.reward_fn import detect_reward_style
 from relign.errors import ConfigError
 
@@ -43,11 +46,11 @@ class Problem:
 # The registry is a plain dict (DESIGN.md, principle 5). Importing the task modules is cheap:
 # the math task loads math_verify/sympy only when its reward runs.
 TASKS: dict[str, Callable[..., Task]] = {
-    "gsm8k": gsm8k.task,
-    "math": math_task.task,
-    "math500": math_task.task,
-    "countdown": countdown.task,
-    "calculator": calculator.task,
+    "gsm8k": gsm8k_task,
+    "math": math_task,
+    "math500": math_task,
+    "countdown": countdown_task,
+    "calculator": calculator_task,
     "custom": make_custom_task,
 }
 
