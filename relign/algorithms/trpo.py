@@ -162,15 +162,17 @@ def fisher_vector_product(kl_fn: Callable[[], torch.Tensor], params: Sequence[to
 
 
 def trpo_step(params: Sequence[torch.Tensor], surrogate_fn: Callable[[], torch.Tensor],
-              kl_fn_fvp: Callable[[], torch.Tensor], kl_old_new_fn: Callable[[], torch.Tensor], *,
+              kl_fn_fvp: Callable[[], torch.Tensor], kl_old_new_fn: Callable[[], torch.Tensor] | None = None, *,
               max_kl: float = 0.01, damping: float = 0.1, cg_iters: int = 15, backtrack_ratio: float = 0.8,
-              max_backtracks: int = 10) -> dict:
+              max_backtracks: int = 10, candidate_fn: Callable[[], tuple[float, float]] | None = None) -> dict:
     """One TRPO update of ``params`` in place; see the module docstring. Returns the metrics.
 
     surrogate_fn(): L(θ) with the graph to the params, computed at the current params.
     kl_fn_fvp(): ``self_kl`` on the FVP subsample (graph to the params).
     kl_old_new_fn(): KL̄(π_old ‖ π_θ) at the current params (``token_kl`` against the kept old
         log-softmax); called under no_grad.
+    candidate_fn(): (L(θ), KL̄(π_old ‖ π_θ)) of a line-search candidate in one pass, under no_grad,
+        where one forward gives both (it replaces surrogate_fn() and kl_old_new_fn() there).
     Candidates are θ_old + backtrack_ratio^k β s for k = 0 .. max_backtracks - 1 (sb3's
     ``line_search_max_iter``); when all fail θ_old is copied back bitwise.
 
@@ -181,6 +183,11 @@ def trpo_step(params: Sequence[torch.Tensor], surrogate_fn: Callable[[], torch.T
     "non-positive curvature", "line search failed").
     """
     params = list(params)
+    if candidate_fn is None and kl_old_new_fn is None:
+        raise ValueError("trpo_step needs kl_old_new_fn or candidate_fn to measure a candidate's KL")
+    if candidate_fn is None:
+        def candidate_fn() -> tuple[float, float]:
+            return surrogate_fn().item(), kl_old_new_fn().item()
     metrics = {"trpo/kl": 0.0, "trpo/backtracks": 0.0, "trpo/accepted": 0.0, "trpo/surrogate_gain": 0.0,
                "trpo/expected_gain": 0.0, "trpo/step_norm": 0.0, "trpo/grad_norm": 0.0}
     surr = surrogate_fn()
@@ -207,7 +214,7 @@ def trpo_step(params: Sequence[torch.Tensor], surrogate_fn: Callable[[], torch.T
     with torch.no_grad():
         for k in range(max_backtracks):
             set_flat_params(params, theta_old.to(dtype) + frac * full_step)
-            L_new, kl = surrogate_fn().item(), kl_old_new_fn().item()
+            L_new, kl = candidate_fn()
             if math.isfinite(L_new) and math.isfinite(kl) and kl <= max_kl and L_new > L_old:
                 metrics.update({"trpo/kl": kl, "trpo/backtracks": float(k), "trpo/accepted": 1.0,
                                 "trpo/surrogate_gain": L_new - L_old,

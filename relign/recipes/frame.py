@@ -14,7 +14,7 @@
 Plain functions over two records (``Run``, ``Trainer``), not a base class: each recipe's
 ``train`` stays the one readable loop of its method (DESIGN.md principle 1), and what comes
 before and after the loop is written once, here, so a fix to resume or save lands in one place.
-``sft``, ``rm``, ``dpo`` use all of it; ``rl`` its open, trainable, saver and close; ``rest``,
+``sft``, ``rm``, ``dpo`` use all of it; ``rl`` its open, trainable, saver, tracker and close; ``rest``,
 ``eval``, ``demo`` and ``verifier`` (no optimizer of their own) its open and close.
 """
 
@@ -105,17 +105,17 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def trainable(run: Run, model: torch.nn.Module, *, ckpt: Path | None, rows: int, batch_size: int, total_steps: int,
-              optim=None, weights_loaded: bool = False) -> Trainer:
+              weights_loaded: bool = False) -> Trainer:
     """``model`` ready to train: the checkpoint's weights (before sharding, so every rank starts
     from the same full weights; ``weights_loaded`` when the caller has loaded them already),
     FSDP, the data order over ``rows`` in batches of ``batch_size``, AdamW and its schedule over
-    ``total_steps`` updates (``optim``, default ``cfg.optim``), and the optimizer, schedule and data
+    ``total_steps`` updates (``cfg.optim``), and the optimizer, schedule and data
     position of ``ckpt``."""
     if ckpt is not None and not weights_loaded:
         load_model_weights(model, ckpt)
     model = shard(model)
     sampler = StepSampler(rows, batch_size, seed=run.cfg.seed)
-    optimizer, scheduler = build_training(model, optim or run.cfg.optim, total_steps)
+    optimizer, scheduler = build_training(model, run.cfg.optim, total_steps)
     start = resume_training(ckpt, model, optimizer, scheduler, sampler)
     return Trainer(model, optimizer, scheduler, sampler, total_steps, start, ckpt, trainable_parameters(model))
 

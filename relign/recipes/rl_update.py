@@ -498,22 +498,24 @@ def trpo_update(policy, params: list[torch.Tensor], batch: RolloutBatch, advanta
 
     every = torch.arange(batch.size, device=ids.device)
     with torch.no_grad():
-        old = old_logps[:, 1:] if old_logps is not None else logps(every)  # [N, L - 1]
         old_all = torch.log_softmax(logits(every), -1)  # [N, L - 1, V]: the trust region is the batch's
+        old = old_logps[:, 1:] if old_logps is not None else old_all.gather(-1, target.unsqueeze(-1)).squeeze(-1)
 
     def surrogate() -> torch.Tensor:
         return surrogate_objective(logps(every), old, advantages[:, 1:], m)
 
-    def kl_old_new() -> torch.Tensor:
-        with torch.no_grad():
-            return token_kl(old_all, torch.log_softmax(logits(every), -1), m)
+    def candidate() -> tuple[float, float]:  # one forward of the whole batch gives the surrogate and the KL
+        new_all = torch.log_softmax(logits(every), -1)
+        new = new_all.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        return surrogate_objective(new, old, advantages[:, 1:], m).item(), token_kl(old_all, new_all, m).item()
 
     # the Fisher-vector product differentiates twice: the fused attention kernels (flash, memory
     # efficient) and the lean MLP's backward have no double backward; PyTorch's math kernel and
     # autograd's own ops do
     with sdpa_kernel([SDPBackend.MATH]), lean.plain():
-        out = trpo_step(params, surrogate, lambda: self_kl(logits(sub), m[sub]), kl_old_new, max_kl=max_kl, damping=damping,
-                        cg_iters=cg_iters, backtrack_ratio=backtrack_ratio, max_backtracks=max_backtracks)
+        out = trpo_step(params, surrogate, lambda: self_kl(logits(sub), m[sub]), candidate_fn=candidate, max_kl=max_kl,
+                        damping=damping, cg_iters=cg_iters, backtrack_ratio=backtrack_ratio,
+                        max_backtracks=max_backtracks)
     stats = Stats()
     for k, v in out.items():
         if isinstance(v, float):
