@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import watchdog
 from .errors import ConfigError
 
 
@@ -54,7 +55,8 @@ def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
     moved = dist.get_backend() == "nccl" and out.device.type != "cuda"
     if moved:
         out = out.cuda()
-    dist.all_reduce(out, op=op)
+    with watchdog.waiting("a collective (all_reduce) with the other ranks"):
+        dist.all_reduce(out, op=op)
     return out.to(t.device) if moved else out
 
 
@@ -82,7 +84,8 @@ def lockstep(parts: list, filler) -> list[tuple[Any, bool]]:
 
 def barrier() -> None:
     if is_initialized():
-        dist.barrier()
+        with watchdog.waiting("a collective (barrier) with the other ranks"):
+            dist.barrier()
 
 
 def all_gather_object(obj):
@@ -91,7 +94,8 @@ def all_gather_object(obj):
     if not is_initialized():
         return [obj]
     out = [None] * world_size()
-    dist.all_gather_object(out, obj)
+    with watchdog.waiting("a collective (all_gather_object) with the other ranks"):
+        dist.all_gather_object(out, obj)
     return out
 
 

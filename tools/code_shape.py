@@ -26,7 +26,7 @@ PACKAGE = "relign"
 # never one above. The first matching prefix wins, so a module can sit on another floor than its
 # package. Why each floor is where it is: docs/architecture.md.
 FLOORS: list[tuple[str, ...]] = [
-    ("relign", "relign.errors", "relign.algorithms"),  # 1: the package's __init__ (env defaults), the error type, pure math
+    ("relign", "relign.errors", "relign.algorithms", "relign.watchdog"),  # 1: the package's __init__ (env defaults), the error type, pure math, deadlines
     ("relign.config", "relign.checks", "relign.distributed"),                        # 2
     ("relign.checkpoint", "relign.optim", "relign.tracking", "relign.data"),           # 3
     ("relign.envs", "relign.models", "relign.rundir", "relign.report"),                # 4

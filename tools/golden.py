@@ -116,6 +116,7 @@ PRESETS: dict[str, tuple[str, list[str]]] = {
     "dapo": ("rl", [*RL, "algorithm.overlong_cache=4"]),
     "dr_grpo": ("rl", [*RL]),
     "grpo": ("rl", [*RL]),
+    "grpo_async": ("rl", [*RL]),
     "gspo": ("rl", [*RL]),
     "ppo": ("rl", [*RL]),
     "reinforce_pp": ("rl", [*RL]),

@@ -15,6 +15,9 @@ Ratios rho_t = pi(y_t) / pi_old(y_t) = exp(logps_t - old_logps_t); A = advantage
 * entropy    -H_t (minimised, it raises the entropy)
 * TIS        w_t = min(pi_old(y_t) / pi_sampler(y_t), C)   (Yao et al. 2025, blog post
              "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training")
+* MIS        w_t = pi_prox(y_t) / pi_behav(y_t) if that is <= C, else 0: the behaviour weight of
+             decoupled PPO (Hilton et al., arXiv 2110.00641; AReaL, arXiv 2505.24298, masks
+             the tokens above the cap instead of truncating them)
 
 Advantages, old log-probs and returns are detached inside: they are targets. The math is
 done in float32 at least (bf16 log-prob differences lose most of their digits).
@@ -199,6 +202,30 @@ def truncated_is_weights(old_logps: torch.Tensor, sampling_logps: torch.Tensor, 
     Truncating at C bounds the variance of the correction. Detached: w is a fixed
     weight, not something to optimise. The log-ratio is clamped to [-20, 20] before exp.
     """
-    dtype = torch.promote_types(old_logps.dtype, torch.float32)
-    log_w = (old_logps.detach().to(dtype) - sampling_logps.detach().to(dtype)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    return torch.exp(log_w).clamp(max=cap)
+    return behaviour_weights(old_logps, sampling_logps, cap=cap, mode="truncate")[0]
+
+
+BEHAVIOUR_MODES = ("truncate", "mask")
+
+
+def behaviour_weights(prox_logps: torch.Tensor, behav_logps: torch.Tensor, *, cap: float, mode: str = "truncate"
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The behaviour weights of decoupled PPO, [B, T], and where they hit the cap (bool [B, T]).
+
+        w_t = pi_prox(y_t) / pi_behav(y_t)
+        truncate:  min(w_t, C)                 (TIS: bounded variance, a little bias)
+        mask:      w_t if w_t <= C else 0      (MIS, AReaL: a token sampled by a policy too
+                                                far from pi_prox leaves the loss, counted)
+
+    pi_behav is the policy that sampled y (the engine's log-probs, possibly several updates
+    old: ``rollout.max_staleness``); pi_prox the trainer's recomputation with the weights
+    before this step's update, which the PPO ratio is clipped against. Detached: the weight
+    scales each token's loss, it is not optimised. Log-ratios are clamped to [-20, 20] first.
+    """
+    if mode not in BEHAVIOUR_MODES:
+        raise ValueError(f"behaviour weight mode {mode!r}; choose one of {', '.join(BEHAVIOUR_MODES)}")
+    dtype = torch.promote_types(prox_logps.dtype, torch.float32)
+    log_w = (prox_logps.detach().to(dtype) - behav_logps.detach().to(dtype)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    w = torch.exp(log_w)
+    over = w > cap
+    return (w.clamp(max=cap) if mode == "truncate" else w.masked_fill(over, 0.0)), over

@@ -109,6 +109,17 @@ def shifted_token_logps(logits: torch.Tensor, input_ids: torch.Tensor, *, temper
     return logps, ent
 
 
+def right_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id rows as one right-padded batch: (input_ids [B, T], attention_mask [B, T])."""
+    T = max(len(r) for r in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), T), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    return ids.to(device), mask.to(device)
+
+
 def right_padded(attention_mask: torch.Tensor) -> bool:
     """Whether every row of a [B, T] 0/1 mask is ones then zeros (no pad before a real token)."""
     m = attention_mask.bool()

@@ -23,6 +23,7 @@ import torch
 from ..data.preference import encode_prompt_response
 from . import lean
 from .loading import _check_source, disable_dropout, load_causal_lm, load_tokenizer, resolve_dtype, resolve_model_path
+from .logprobs import right_pad
 from .precision import autocast_dtype, enable_autocast
 
 VERIFIER_TEMPLATE = "Problem:\n{problem}\n\nSolution:\n{solution}\n\nIs the answer correct? Answer Yes or No."
@@ -106,16 +107,6 @@ def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return _head(model)(pooled).squeeze(-1).float()
 
 
-def _pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    T = max(len(r) for r in rows)
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), T), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1
-    return ids.to(device), mask.to(device)
-
-
 class RewardModelScorer:
     """Scores with a Bradley-Terry reward model, rendering (problem, response) as in training."""
 
@@ -132,7 +123,7 @@ class RewardModelScorer:
                 for p, r in zip(problems, responses)]
         out: list[float] = []
         for i in range(0, len(rows), self.batch_size):
-            ids, mask = _pad(rows[i : i + self.batch_size], self.tok.pad_token_id, self.device)
+            ids, mask = right_pad(rows[i : i + self.batch_size], self.tok.pad_token_id, self.device)
             out.extend(sequence_rewards(self.model, ids, mask).tolist())
         return out
 
@@ -164,7 +155,7 @@ class VerifierScorer:
         for i in range(0, len(rows), self.batch_size):
             # left-padded, so every row's answer position is the last column and the LM head
             # runs there only (logits_to_keep=1)
-            ids, mask = _pad([r[::-1] for r in rows[i : i + self.batch_size]], self.tok.pad_token_id, self.device)
+            ids, mask = right_pad([r[::-1] for r in rows[i : i + self.batch_size]], self.tok.pad_token_id, self.device)
             ids, mask = ids.flip(-1), mask.flip(-1)
             pos = (mask.cumsum(-1) - 1).clamp_min(0)
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=1).logits

@@ -85,7 +85,7 @@ def tracker_for(lg: LoggingConfig, run_dir, *, total_steps: int, start_step: int
 
 def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows: int, seed: int, prefix_cache_bytes: int = 0,
                m: ModelConfig | None = None, vllm: VllmConfig | None = None, max_model_len: int = 0, rows: int = 0,
-               key: str = "rollout.engine", fast_decode: bool = True):
+               key: str = "rollout.engine", fast_decode: bool = True, own_copy: bool = False):
     """The rollout engine, built before the policy is sharded (and, under torchrun, after the
     process group exists: vLLM joins it).
 
@@ -103,7 +103,8 @@ def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows:
     a step's share of completions), when fewer than ``max_batch_rows``: vLLM's ``max_num_seqs``,
     which sizes its KV cache on CPU.
     ``key`` names the setting in error messages. ``fast_decode``: the HF engine's own decode
-    step for the architectures it covers (rollout/fast_decode.py).
+    step for the architectures it covers (rollout/fast_decode.py). ``own_copy``: the HF engine
+    gets a replica in one process too (rollout.overlap=thread samples while the policy trains).
     """
     if kind not in ENGINES:
         raise ConfigError(f"bad value for '{key}': {kind!r}; choose one of {', '.join(ENGINES)}")
@@ -129,6 +130,8 @@ def engine_for(kind: str, policy: torch.nn.Module, tokenizer, *, max_batch_rows:
     model = policy
     if distributed.world_size() > 1:
         model = copy.deepcopy(policy).eval().requires_grad_(False)
+    elif own_copy:  # the same requires_grad flags as the policy: the forward then takes the same kernels, bit for bit
+        model = copy.deepcopy(policy).eval()
     return HFEngine(model, tokenizer, max_batch_rows=max_batch_rows, seed=seed, prefix_cache_bytes=prefix_cache_bytes,
                     fast_decode=fast_decode)
 

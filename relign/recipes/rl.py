@@ -21,6 +21,7 @@ examples/ name the published algorithms; see docs/rl.md for the table.
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -30,10 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import banner, distributed, rundir
+from .. import banner, distributed, rundir, watchdog
 from ..algorithms import shaping
 from ..algorithms.kl import kl_estimate
-from ..algorithms.policy_losses import truncated_is_weights
+from ..algorithms.policy_losses import behaviour_weights
 from ..checkpoint import gather_train_state, load_checkpoint, load_model_weights, restore_optimizer, save_final
 from ..data.collate import StepSampler
 from ..evaluate import PeriodicEval
@@ -44,6 +45,8 @@ from ..optim import build_optimizer
 from ..rollout.batch import RolloutBatch, build_batch
 from ..rollout.collect import RolloutCollector
 from ..rollout.engine import Engine
+from ..rollout.queue import RolloutAhead, Sampled, staleness_metrics
+from ..rollout.sync_check import check_sync, engine_shares_policy, probe_sequences
 from ..rollout.traces import write_traces
 from ..rollout.vine import AdaptiveK, VineEpisode, mc_step_values
 from ..rollout.weights import engine_weights
@@ -80,8 +83,12 @@ class _Run:
     tracker: Tracker
     evaluator: PeriodicEval | None
     start: int
+    ahead: RolloutAhead
+    """The batches sampled ahead of the update (rollout.max_staleness), restored on resume."""
     step_delimiter: str = ""
     """Where a response's steps end (VinePPO)."""
+    probe: list[list[int]] | None = None
+    """The sync check's fixed sequences (None: the engine holds the policy's own tensors, or the check is off)."""
 
 
 def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
@@ -111,7 +118,7 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
     if ckpt is not None:
         load_model_weights(policy, ckpt)
     engine = build.engine_for(ro.engine, policy, tok, max_batch_rows=ro.max_batch_rows, seed=cfg.seed, m=m, vllm=ro.vllm,
-                              fast_decode=ro.fast_decode,
+                              fast_decode=ro.fast_decode, own_copy=ro.overlap == "thread",
                               max_model_len=t.max_prompt_length + (ro.max_response_tokens or ro.max_new_tokens * ro.max_turns),
                               rows=max(1, cfg.prompts_per_step // distributed.world_size()) * ro.n)
     collector = build.collector_for(task, t, ro, cfg.reward, tok, engine, m=m, device=run.device, seed=cfg.seed)
@@ -119,9 +126,15 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
     # ---- optimizer: the schedule counts every planned update, ppo_epochs x mini_batches per step
     tr = frame.trainable(run, policy, ckpt=ckpt, rows=len(collector), batch_size=cfg.prompts_per_step,
                          total_steps=cfg.max_steps * a.ppo_epochs * a.mini_batches, weights_loaded=True)
+    def collect() -> tuple[list, dict[str, float]]:  # the next batch in draw order, and its collection statistics
+        groups = collector.collect(tr.sampler, cfg.prompts_per_step, a.dynamic_sampling, a.max_sampling_rounds)
+        return groups, dict(collector.last)
+
+    ahead = RolloutAhead(collect, depth=ro.max_staleness, max_steps=cfg.max_steps, overlap=ro.overlap == "thread")
     if ckpt is not None:
         tensors, _ = load_checkpoint(ckpt, restore_rng=False)
         engine.load_state_dict(tensors["engine"])
+        ahead.load(tensors.get("rollout_queue", []))  # the batches that were in flight
         if critic is not None:
             restore_optimizer(critic, critic_opt, tensors["critic_optimizer"])
     evaluator = None
@@ -134,11 +147,16 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
                     max_rows=cfg.micro_batch_size)
     loss_fn = actor_loss(a, collector.max_response_tokens)
     options = AdvantageOptions(ro.n, a.scale_rewards, a.gamma, a.lam, a.whiten_advantages)
+    probe = None
+    if ro.sync_check_tol > 0 and not engine_shares_policy(engine, tr.model):
+        probe = probe_sequences([ids for _, ids, _ in collector.records])
     r = _Run(tok, tr.model, ref, critic, engine, collector, tr.sampler, tr.optimizer, tr.scheduler, critic_opt, layout,
-             loss_fn, estimator, options, tracker, evaluator, tr.start, delimiter)
+             loss_fn, estimator, options, tracker, evaluator, tr.start, ahead, delimiter, probe)
 
-    def extra() -> tuple[dict, dict]:  # the engine's random stream, and the critic with its optimizer
+    def extra() -> tuple[dict, dict]:  # the engine's random stream, the batches in flight, the critic and its optimizer
         tensors, models = {"engine": engine.state_dict()}, {}
+        if ro.max_staleness > 0:
+            tensors["rollout_queue"] = ahead.state()
         if critic is not None:
             critic_sd, tensors["critic_optimizer"] = gather_train_state(critic, critic_opt)  # collectives under FSDP
             models["critic"] = (critic, critic_sd)
@@ -187,30 +205,36 @@ def _dry_run(cfg: Config, task, tok, run: frame.Run) -> None:
 
 def train(cfg: Config) -> RunResult:
     run = frame.open(cfg, "rl", check=_check)
+    watchdog.configure(cfg.rollout.wait_timeout, run.run_dir)  # no blocking wait without a deadline
     if distributed.is_main():
         (run.run_dir / "rollouts").mkdir(exist_ok=True)
     r, save = _setup(cfg, run)
     a, ro, device, run_dir = cfg.algorithm, cfg.rollout, run.device, run.run_dir
-    reuse = a.ppo_epochs * a.mini_batches > 1 or a.tis_cap > 0 or a.kl == "reward"  # old log-probs needed
+    # old log-probs needed: several updates per batch, the behaviour correction (pi_prox), the KL in the reward
+    reuse = a.ppo_epochs * a.mini_batches > 1 or a.tis_cap > 0 or a.kl == "reward" or ro.max_staleness > 0
     bad_in_a_row, skipped_steps, status, metrics = 0, 0, "completed", {}
+    overlap = ro.overlap == "thread"
     t_train = time.perf_counter()
     try:
         for step in range(r.start + 1, cfg.max_steps + 1):
-            clock = StageClock(("rollout", "reward", "reference", "old_logps", "values", "update", "sync"), device)
-            with clock("rollout"):  # 1. sample and score (the collector times the reward part)
-                groups = r.collector.collect(r.sampler, cfg.prompts_per_step, a.dynamic_sampling, a.max_sampling_rounds)
-            clock.seconds["reward"] = r.collector.last.get("reward_s", 0.0)
-            clock.seconds["rollout"] -= clock.seconds["reward"]
+            clock = StageClock(STAGES + (("rollout_wait",) if overlap else ()), device)
+            version = step - 1  # the updates applied so far: the version of the weights that sample now
+            with clock("rollout"):  # 1. batch `step`; batches up to step + s sampled now, or (overlap) from now on
+                sampled = r.ahead.take(step, version)
+            groups = sampled.groups
+            _rollout_time(clock, r.ahead.sampled_now)
             if not groups:  # dynamic sampling kept nothing: no update, the schedule moves on
+                r.ahead.join()
                 skipped_steps += 1
                 _skip_step(r, cfg, step, skipped_steps, clock)
                 continue
-            r.engine.sleep()
+            if not overlap:  # the engine is idle until the sync (with overlap it is sampling the next batch)
+                r.engine.sleep()
             batch = _batch(r, a, groups, device)
             micro = plan(batch, torch.arange(batch.size, device=device), r.layout)
             with clock("reference"):  # 2.
                 ref_logps = _reference_logps(r, batch, micro, ro.temperature) if a.kl != "none" else None
-            with clock("old_logps"):  # 3.
+            with clock("old_logps"):  # 3. pi_prox: the weights before this step's update
                 old_logps = score_logps(r.policy, batch, micro, r.layout, temperature=ro.temperature) if reuse else None
             with clock("values"):  # 4. the critic's V(s_t), or VinePPO's Monte-Carlo step values
                 values, value_stats = _values(r, cfg, step, groups, batch, micro)
@@ -219,10 +243,17 @@ def train(cfg: Config) -> RunResult:
             with clock("update"):  # 6.
                 stats, skipped = _update(r, cfg, step, batch, advantages, returns, old_logps, ref_logps, values)
             bad_in_a_row = bad_in_a_row + skipped if skipped else 0
-            r.engine.wake()
+            if overlap:
+                with clock("rollout_wait"):  # the next batch must be sampled by the old weights: join before the sync
+                    r.ahead.join()
+            else:
+                r.engine.wake()
             with clock("sync"):  # 7. the HF engine in one process holds the policy's own tensors: nothing is copied
                 r.engine.load_weights(engine_weights(r.engine, r.policy))
-            metrics = {**_step_metrics(r, groups, batch, rewards, stats, old_logps, clock), **value_stats}
+                sync_gap = _sync_check(r, cfg, step)
+            metrics = {**_step_metrics(r, groups, batch, rewards, stats, old_logps, clock), **value_stats, **sync_gap}
+            if ro.max_staleness > 0:
+                metrics.update(staleness_metrics(version, sampled))
             if r.evaluator is not None and r.evaluator.due(step, cfg.max_steps):  # held-out accuracy, updated policy
                 metrics.update(r.evaluator(r.engine, step, write=r.tracker.write))
             r.tracker.log(step, metrics)
@@ -253,7 +284,26 @@ def train(cfg: Config) -> RunResult:
                        result={**metrics, "status": status})
 
 
+STAGES = ("rollout", "reward", "reference", "old_logps", "values", "update", "sync")
+"""The step's timed stages (time/<stage>_s); rollout.overlap=thread adds rollout_wait, the wait for the next batch."""
+
+
 # --------------------------------------------------------------------------- the stages
+
+
+def _rollout_time(clock: StageClock, sampled: list[Sampled]) -> None:
+    """The reward pool's share of the step's sampling time is its own stage."""
+    clock.seconds["reward"] = sum(b.stats.get("reward_s", 0.0) for b in sampled)
+    clock.seconds["rollout"] -= clock.seconds["reward"]
+
+
+def _sync_check(run: _Run, cfg: Config, step: int) -> dict[str, float]:
+    """The probe's engine-vs-trainer log-prob gap after the sync (rollout/sync_check.py); stops the run above the tolerance."""
+    if run.probe is None:
+        return {}
+    gap = check_sync(run.engine, run.policy, run.probe, pad_id=run.tok.pad_token_id, tol=cfg.rollout.sync_check_tol,
+                     step=step)
+    return {"rollout/sync_gap": gap}
 
 
 def _out_of_time(t0: float, max_seconds: float) -> bool:
@@ -324,7 +374,9 @@ def _mini_batches(n_groups: int, G: int, mini_batches: int, generator: torch.Gen
 def _update(run: _Run, cfg: Config, step: int, batch, advantages, returns, old_logps, ref_logps, values) -> tuple[Stats, int]:
     """ppo_epochs x mini_batches updates of the policy (and of the critic on the same mini-batches)."""
     a = cfg.algorithm
-    tis = truncated_is_weights(old_logps, batch.sampling_logps, cap=a.tis_cap) if a.tis_cap > 0 else None
+    tis = None
+    if a.tis_cap > 0:  # decoupled PPO's behaviour weight w = pi_prox / pi_behav, truncated or masked at C
+        tis, over = behaviour_weights(old_logps, batch.sampling_logps, cap=a.tis_cap, mode=a.tis_mode)
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # the same shuffles on every rank and on resume
     epochs = [_mini_batches(batch.size // cfg.rollout.n, cfg.rollout.n, a.mini_batches, gen, batch.input_ids.device)
               for _ in range(a.ppo_epochs)]
@@ -339,6 +391,8 @@ def _update(run: _Run, cfg: Config, step: int, batch, advantages, returns, old_l
                                    advantages=advantages, old_logps=old_logps, ref_logps=ref_logps, tis=tis,
                                    temperature=cfg.rollout.temperature, max_grad_norm=cfg.optim.max_grad_norm,
                                    skip_inert=a.skip_zero_adv)
+    if tis is not None:
+        behaviour_stats(stats, tis, over, old_logps, batch, mode=a.tis_mode)
     if run.critic is not None:
         cstats = update_critic(run.critic, run.critic_opt, list(run.critic.parameters()), batch, mini, run.layout,
                                old_values=values, returns=returns, value_clip=cfg.critic.value_clip,
@@ -347,6 +401,19 @@ def _update(run: _Run, cfg: Config, step: int, batch, advantages, returns, old_l
     if skipped:
         run.tracker.write(f"step {step}: {skipped} non-finite update(s) skipped, the weights stay the last good ones")
     return stats, skipped
+
+
+def behaviour_stats(stats: Stats, w: torch.Tensor, over: torch.Tensor, prox_logps, batch: RolloutBatch, *, mode: str
+                    ) -> None:
+    """The behaviour weights over every response token of the batch: their mean and spread, the share
+    capped (truncate) or masked (mask), and actor/behav_kl = mean(log pi_behav - log pi_prox), the k1
+    estimate of KL(pi_behav || pi_prox) from the behaviour policy's own samples."""
+    m = batch.response_mask
+    stats.add_masked("actor/behav_is_mean", w, m)
+    stats.add_masked("actor/behav_is_sq_mean", w * w, m)
+    stats.add_max("actor/behav_is_max", w, m)
+    stats.add_masked(f"actor/behav_is_{'capped' if mode == 'truncate' else 'masked'}_frac", over.float(), m)
+    stats.add_masked("actor/behav_kl", batch.sampling_logps - prox_logps, m)
 
 
 def _skip_step(run: _Run, cfg: Config, step: int, skipped_steps: int, clock: StageClock) -> None:
@@ -374,6 +441,8 @@ def _step_metrics(run: _Run, groups, batch: RolloutBatch, rewards: Rewards, stat
         **stats.reduce(),
         **clock.metrics(),
     }
+    if "actor/behav_is_sq_mean" in out:  # the spread of the behaviour weights: sqrt(E[w^2] - E[w]^2)
+        out["actor/behav_is_std"] = math.sqrt(max(0.0, out.pop("actor/behav_is_sq_mean") - out["actor/behav_is_mean"] ** 2))
     if rewards.penalties is not None:
         out["reward/kl_penalty"] = float(-rewards.penalties.sum(-1).mean())
     if old_logps is not None:  # engine vs trainer on the same tokens and weights

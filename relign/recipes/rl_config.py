@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from .. import distributed
 from ..algorithms.aggregation import MODES
+from ..algorithms.policy_losses import BEHAVIOUR_MODES
 from ..checks import check_choice, check_common, check_fraction, check_model_path, check_non_negative, check_positive
 from ..config import ConfigError, OptimConfig, SamplingConfig, TaskConfig, TrainFields, VllmConfig
 from ..rollout.engine import ENGINES
@@ -38,6 +39,19 @@ class RolloutConfig(SamplingConfig):
     """HF engine: decode Llama/Qwen2/Qwen3 models with relign's own one-token step (matmul attention over the preallocated cache, no per-token mask rebuild); false = the model's forward."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """Settings of the vLLM engine (rollout.engine=vllm)."""
+    max_staleness: int = 0
+    """s: the batch of step k is sampled by the weights of step k - s (at most s updates old); step k samples the
+    batch of step k + s before (or, with overlap=thread, while) it trains on batch k. 0 = synchronous (on-policy).
+    s > 0 needs the behaviour correction algorithm.tis_cap (docs/rl.md, "Off-policy and overlap")."""
+    overlap: str = "none"
+    """none: the next batch is sampled before the update, in turn; thread: in a background thread on the engine's own
+    weight copy while the main thread trains (needs max_staleness >= 1; one process only). Same results either way."""
+    sync_check_tol: float = 0.1
+    """After every weight sync to an engine that holds its own copy (torchrun replica, vLLM, overlap=thread), the
+    engine and the trainer score a fixed probe batch; a mean |log-prob gap| above this stops the run (0 = off)."""
+    wait_timeout: float = 1800.0
+    """Seconds any blocking wait (a collective, the reward pool, the engine, the overlap thread) may take before the
+    run writes every thread's stack to the run directory and exits with an error naming the wait (0 = no limit)."""
 
 
 @dataclass
@@ -80,7 +94,11 @@ class AlgorithmConfig:
     whiten_advantages: bool = True
     """GAE: whiten advantages over the batch."""
     tis_cap: float = 0.0
-    """Truncated importance-sampling cap between sampling and trainer log-probs (0 = off)."""
+    """C: the cap of the behaviour weight w = pi_prox / pi_behav between the trainer's and the engine's log-probs
+    (0 = off; required when rollout.max_staleness > 0)."""
+    tis_mode: str = "truncate"
+    """What a behaviour weight above tis_cap becomes: truncate (min(w, C), TIS) or mask (0: the token leaves the loss,
+    counted; AReaL's decoupled PPO)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and draw more prompts to refill the batch."""
     skip_zero_adv: bool = True
@@ -300,6 +318,7 @@ def check(cfg: Config) -> None:
                           "are made of whole groups (a group's samples are never split)")
     if estimator.check is not None:
         estimator.check(cfg)
+    check_off_policy(cfg)
     check_choice("update", cfg.update, ("ppo", "trpo"))
     if cfg.update == "trpo":
         check_trpo(cfg)
@@ -310,6 +329,36 @@ def check(cfg: Config) -> None:
     check_model_path("model.path", cfg.model.path)
     check_model_path("critic.path", cfg.critic.path, required=False)
     check_model_path("reward.model", cfg.reward.model, required=False)
+
+
+def check_off_policy(cfg: Config) -> None:
+    """rollout.max_staleness / overlap and the behaviour correction they need."""
+    a, ro = cfg.algorithm, cfg.rollout
+    check_choice("algorithm.tis_mode", a.tis_mode, BEHAVIOUR_MODES)
+    check_choice("rollout.overlap", ro.overlap, ("none", "thread"))
+    if ro.max_staleness < 0:
+        raise ConfigError(f"bad value for 'rollout.max_staleness': {ro.max_staleness}; it must be >= 0")
+    if ro.sync_check_tol < 0 or ro.wait_timeout < 0:
+        raise ConfigError("rollout.sync_check_tol and rollout.wait_timeout must be >= 0 (0 = off)")
+    s = ro.max_staleness
+    if ro.overlap == "thread" and s == 0:
+        raise ConfigError("rollout.overlap=thread samples the next batch while this one trains: it needs "
+                          "rollout.max_staleness >= 1 (with 0 the batch a step trains on must be sampled first)")
+    if ro.overlap == "thread" and distributed.world_size() > 1:
+        raise ConfigError("rollout.overlap=thread runs on one process for now: under torchrun the rollout's gathers in "
+                          "a thread would race the trainer's FSDP collectives on one process group (a deadlock); use "
+                          "rollout.overlap=none")
+    if s == 0:
+        return
+    if a.tis_cap <= 0:
+        raise ConfigError(f"rollout.max_staleness={s} trains on batches sampled by older weights: set the behaviour "
+                          "correction algorithm.tis_cap (e.g. algorithm.tis_cap=2 algorithm.tis_mode=mask)")
+    if cfg.update == "trpo":
+        raise ConfigError(f"update=trpo with rollout.max_staleness={s}: TRPO's trust region is measured around the "
+                          "policy that sampled the batch (on-policy data); use rollout.max_staleness=0")
+    if a.advantage == "vine":
+        raise ConfigError(f"algorithm.advantage=vine with rollout.max_staleness={s}: VinePPO's Monte-Carlo values are "
+                          "sampled by the current policy for the current batch (on-policy); use rollout.max_staleness=0")
 
 
 def check_trpo(cfg: Config) -> None:

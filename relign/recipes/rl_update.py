@@ -334,6 +334,10 @@ class Stats:
         if mask.any():
             self.maxes[key] = max(self.maxes.get(key, float("-inf")), float(x[mask.bool()].max()))
 
+    def add_min(self, key: str, x: torch.Tensor, mask: torch.Tensor) -> None:
+        if mask.any():  # kept negated: the smallest value is the largest of the negations
+            self.maxes[f"-{key}"] = max(self.maxes.get(f"-{key}", float("-inf")), float(-x[mask.bool()].min()))
+
     def add(self, key: str, value: float) -> None:
         self.values.setdefault(key, []).append(float(value))
 
@@ -346,7 +350,7 @@ class Stats:
         if self.maxes:  # every rank reduces the same keys (a rank without tokens sends -inf)
             keys = sorted(self.maxes)
             t = distributed.all_reduce_max(torch.tensor([self.maxes[k] for k in keys], dtype=torch.float64))
-            out.update(zip(keys, t.tolist()))
+            out.update((k[1:], -v) if k.startswith("-") else (k, v) for k, v in zip(keys, t.tolist()))
         return out
 
 
@@ -437,6 +441,9 @@ def update_policy(policy, optimizer, scheduler, params, batch: RolloutBatch, min
             stats.add_masked("actor/clip_frac", info["clipped"], mb_mask, m.weight)
             if "kl" in info:
                 stats.add_masked("actor/kl", info["kl"], mb_mask, m.weight)
+            if tis is not None:  # off-policy: pi_theta / pi_prox, exactly 1 before the first update of the step
+                stats.add_max("actor/ratio_max", info["ratio"], mb_mask)
+                stats.add_min("actor/ratio_min", info["ratio"], mb_mask)
             if old_logps is None:  # one update: these are still the sampling policy's log-probs
                 gap = (batch.sampling_logps[mb_rows] - logps.detach()).abs()
                 stats.add_masked("actor/logp_mismatch", gap, mb_mask, m.weight)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import distributed
+from .. import distributed, watchdog
 from ..algorithms.shaping import zero_variance_groups
 from ..config import ConfigError
 from ..data.collate import StepSampler
@@ -123,8 +123,9 @@ class RolloutCollector:
         seeds = [derive_seed(self.seed, d) for d in draws]
         t0 = time.perf_counter()
         if self.env is not None:
-            eps = run_episodes(self.engine, self.tok, self.env, ids, infos, self.sampling, max_turns=self.max_turns,
-                               max_response_tokens=self.max_response_tokens, seeds=seeds, prompt_texts=texts)
+            with watchdog.waiting("the rollout engine and the environment (multi-turn episodes)"):
+                eps = run_episodes(self.engine, self.tok, self.env, ids, infos, self.sampling, max_turns=self.max_turns,
+                                   max_response_tokens=self.max_response_tokens, seeds=seeds, prompt_texts=texts)
             groups = [Group(t, g[0].prompt_ids if g else p, info, g, q, d)
                       for t, p, info, g, q, d in zip(texts, ids, infos, eps, problems, draws)]
             for g in groups:
@@ -132,13 +133,15 @@ class RolloutCollector:
                     e.terms = {"reward": e.reward}
             self.last["generate_s"] = self.last.get("generate_s", 0.0) + time.perf_counter() - t0
             return groups
-        outs = self.engine.generate(ids, self.sampling, seeds=seeds)
+        with watchdog.waiting(f"the rollout engine ({type(self.engine).__name__}.generate)"):
+            outs = self.engine.generate(ids, self.sampling, seeds=seeds)
         groups = [Group(t, p, info, [episode_from_completion(p, c) for c in cs], q, d)
                   for t, p, info, cs, q, d in zip(texts, ids, infos, outs, problems, draws)]
         t1 = time.perf_counter()
         flat = [(g, e) for g in groups for e in g.episodes]
-        results = self.pool.score([g.prompt_text for g, _ in flat], [e.text for _, e in flat], [g.extra_info for g, _ in flat],
-                                  completion_ids=[e.response_ids for _, e in flat])
+        with watchdog.waiting(f"the reward pool (task.reward_fn={getattr(self.pool, 'spec', '?')})"):
+            results = self.pool.score([g.prompt_text for g, _ in flat], [e.text for _, e in flat],
+                                      [g.extra_info for g, _ in flat], completion_ids=[e.response_ids for _, e in flat])
         for (_, e), r in zip(flat, results):
             e.reward, e.score, e.components, e.reward_error = r.reward, r.score, dict(r.components), r.error
             e.terms = self._terms(e)

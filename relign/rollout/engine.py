@@ -139,3 +139,8 @@ class Engine(Protocol):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         ...
+
+    def score_tokens(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(x_t | x_<t) of every token after the first of each sequence, at temperature 1,
+        with the engine's own weights and kernels: what the sync check compares with the trainer."""
+        ...

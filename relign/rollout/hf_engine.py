@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..models.logprobs import kv_cache_kwargs
+from ..models.logprobs import kv_cache_kwargs, right_pad, token_logps
 from .engine import Completion, SamplingParams, check_generate_args, derive_seed, eos_token_ids
 from .fast_decode import FastDecoder, unsupported_reason
 from .prefix_cache import PrefixCache
@@ -210,6 +210,20 @@ class HFEngine:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.generator.set_state(state["generator"])
+
+    def score_tokens(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Log-probs of each sequence's tokens after the first, from one padded forward of the engine's model."""
+        if not sequences:
+            return []
+        ids, mask = right_pad(sequences, self.pad_id, self.device)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                logps, _ = token_logps(self.model, ids, attention_mask=mask)
+        finally:
+            self.model.train(was_training)
+        return [logps[i, 1 : len(seq)].float().tolist() for i, seq in enumerate(sequences)]
 
     # ------------------------------------------------------------------ sampling
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, seeds: list[int] | None = None

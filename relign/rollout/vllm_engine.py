@@ -308,6 +308,16 @@ class VLLMEngine:
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sps, use_tqdm=False)
         return [[self._completion(c) for c in req.outputs] for req in outs]
 
+    def score_tokens(self, sequences: list[list[int]]) -> list[list[float]]:
+        """vLLM's prompt log-probs of each sequence's tokens after the first (one token is generated and dropped)."""
+        from vllm import SamplingParams as VSP
+
+        if not sequences:
+            return []
+        sp = VSP(max_tokens=1, temperature=1.0, prompt_logprobs=0, seed=0)
+        outs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], sp, use_tqdm=False)
+        return [[step[t].logprob for t, step in zip(seq[1:], req.prompt_logprobs[1:])] for seq, req in zip(sequences, outs)]
+
     @staticmethod
     def _completion(c) -> Completion:
         ids = list(c.token_ids)

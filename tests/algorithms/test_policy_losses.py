@@ -347,3 +347,22 @@ def test_truncated_is_weights_naive():
     w = truncated_is_weights(old, samp, cap=1.5)
     want = [[min(math.exp(o - s), 1.5) for o, s in zip(ro, rs)] for ro, rs in zip(old.tolist(), samp.tolist())]
     torch.testing.assert_close(w, torch.tensor(want))
+
+
+def test_behaviour_weights_by_hand():
+    """w = pi_prox / pi_behav; truncate: min(w, C); mask: w where w <= C, else 0; the flags mark w > C."""
+    import math
+
+    from relign.algorithms.policy_losses import behaviour_weights
+
+    prox = torch.tensor([[math.log(0.5), math.log(0.9), math.log(0.3), 0.0]])
+    behav = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.6), math.log(0.25)]])
+    # w = 1, 3, 0.5, 4
+    w, over = behaviour_weights(prox, behav, cap=2.0, mode="truncate")
+    assert w.tolist()[0] == pytest.approx([1.0, 2.0, 0.5, 2.0], rel=1e-6)
+    assert over.tolist() == [[False, True, False, True]]
+    w, over = behaviour_weights(prox, behav, cap=2.0, mode="mask")
+    assert w.tolist()[0] == pytest.approx([1.0, 0.0, 0.5, 0.0], rel=1e-6)
+    assert over.tolist() == [[False, True, False, True]]
+    with pytest.raises(ValueError, match="truncate, mask"):
+        behaviour_weights(prox, behav, cap=2.0, mode="clip")

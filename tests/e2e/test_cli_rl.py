@@ -16,8 +16,9 @@ from relign.tracking import read_metrics
 from ..conftest import REPO, run_cli
 from ..rl_toy import make_toy, toy_overrides
 
-PRESETS = ["dr_grpo", "grpo", "dapo", "ppo", "rloo", "reinforce_pp", "gspo", "vineppo", "trpo", "calculator_tool"]
-KL_PRESETS = ("grpo", "ppo", "rloo", "reinforce_pp", "vineppo")
+PRESETS = ["dr_grpo", "grpo", "dapo", "ppo", "rloo", "reinforce_pp", "gspo", "vineppo", "trpo", "calculator_tool",
+           "grpo_async"]
+KL_PRESETS = ("grpo", "ppo", "rloo", "reinforce_pp", "vineppo", "grpo_async")
 STAGES = ("rollout", "reward", "reference", "old_logps", "values", "update", "sync", "step")
 
 
@@ -60,7 +61,10 @@ def test_preset_runs_learns_and_resumes(preset, tiny_model_dir, tmp_path):
             keys.append("actor/kl")
         for key in keys:
             assert key in r and math.isfinite(r[key]), (key, r)
-        if preset != "trpo":
+        if preset == "grpo_async":  # step 2 trains on step 1's weights' samples: the gap is the policy's drift
+            assert r["rollout/staleness_max"] == r["step"] - 1 and 0 <= r["actor/behav_is_masked_frac"] <= 1
+            assert r["rollout/sync_gap"] < 1e-4  # the engine's own copy holds the trainer's weights after each sync
+        if preset != "trpo" and (preset != "grpo_async" or r["step"] == 1):
             assert r["actor/logp_mismatch"] < 1e-4  # engine and trainer agree on the sampled tokens
         else:
             assert r["trpo/kl"] <= 0.01 * 1.05 and r["trpo/accepted"] in (0.0, 1.0)

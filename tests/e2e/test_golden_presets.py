@@ -44,7 +44,7 @@ GROUPS = {
     "sft_rm_verifier": ["sft_tiny", "rm", "verifier"],
     "preference": ["dpo", "dpop", "ipo", "kto", "orpo", "simpo", "sdpo"],
     "rl_group": ["dr_grpo", "grpo", "dapo", "gspo", "rloo", "calculator_tool"],
-    "rl_other": ["ppo", "reinforce_pp", "trpo", "vineppo"],
+    "rl_other": ["ppo", "reinforce_pp", "trpo", "vineppo", "grpo_async"],
     "rest_eval_demo": ["rest_em", "eval_gsm8k", "eval_search", "demo"],
 }
 

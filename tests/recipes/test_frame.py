@@ -1,6 +1,7 @@
 """The recipe frame (relign.recipes.frame) resumes exactly: a 3-step run killed right after its
 step-2 checkpoint lands, then resumed with ``resume=auto``, equals the straight run, number for
-number and weight for weight, for the three trainers that use it (sft, dpo, rl).
+number and weight for weight, for the three trainers that use it (sft, dpo, rl; rl also with a
+batch in flight, rollout.max_staleness=1).
 
 What the frame promises, measured from outside through the real CLI: the weights, optimizer,
 schedule, data position and random streams of the checkpoint are restored (the step-3 metrics
@@ -47,7 +48,14 @@ def _rl(model_dir, tmp: Path) -> list[str]:
             "prompts_per_step=4", "optim.lr=1e-3", "critic.lr=1e-3"]
 
 
-RECIPES = {"sft": _sft, "dpo": _dpo, "rl": _rl}
+def _rl_stale(model_dir, tmp: Path) -> list[str]:
+    # rollout.max_staleness=1: the checkpoint also holds the batch sampled ahead (in flight), which
+    # the resumed run trains on at step 3 instead of sampling it again
+    return ["rl", *toy_overrides(model_dir, tmp, fn="graded"), "rollout.max_staleness=1", "algorithm.tis_cap=2",
+            "algorithm.tis_mode=mask", "rollout.n=4", "prompts_per_step=4", "optim.lr=1e-2"]
+
+
+RECIPES = {"sft": _sft, "dpo": _dpo, "rl": _rl, "rl_stale": _rl_stale}
 
 
 def _rows(run: Path) -> list[dict]:
@@ -89,6 +97,8 @@ def test_killed_after_step_2_and_resumed_equals_the_straight_run(recipe, tiny_mo
         assert "eval/loss" in after[-1]  # the held-out set, scored by the resumed weights
     if recipe == "rl":
         assert "critic/value_loss" in after[-1] and "actor/kl" in after[-1]
+    if recipe == "rl_stale":
+        assert after[-1]["rollout/staleness_max"] == 1.0 and "actor/behav_is_masked_frac" in after[-1]
     wa, wb = _weights(straight / "checkpoints" / f"step_{STEPS}"), _weights(resumed / "checkpoints" / f"step_{STEPS}")
     assert wa.keys() == wb.keys() and wa
     assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
