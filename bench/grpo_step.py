@@ -91,7 +91,9 @@ THIS = Path(__file__).resolve()
 GSM8K = REPO / "relign" / "envs" / "data" / "gsm8k_train_512.jsonl"
 RESULTS = REPO / "bench" / "results" / "grpo_step.json"
 # relign-vllm: the same run with rollout.engine=vllm; relign-packed: with packing=true
-LIBS = ("relign", "relign-vllm", "relign-packed", "trl")
+LIBS = ("relign", "relign-vllm", "relign-packed", "relign-stale", "relign-async", "trl")
+# rollout.max_staleness=1 sampled in turn (stale) or in a background thread while the update runs (async)
+OFF_POLICY = ["rollout.max_staleness=1", "algorithm.tis_cap=2", "algorithm.tis_mode=mask"]
 PHASES = ("step", "rollout", "generate", "reward", "train", "ref")
 
 
@@ -168,6 +170,8 @@ def worker_relign(a: argparse.Namespace) -> dict:
         f"run_dir={run_dir}",
         *(["rollout.engine=vllm"] if a.worker == "relign-vllm" else []),
         *(["packing=true"] if a.worker == "relign-packed" else []),
+        *([*OFF_POLICY, "rollout.overlap=none"] if a.worker == "relign-stale" else []),
+        *([*OFF_POLICY, "rollout.overlap=thread"] if a.worker == "relign-async" else []),
         *a.relign_set,
     ]
     tok = AutoTokenizer.from_pretrained(a.model)
@@ -521,7 +525,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--relign-set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra relign rl override, repeatable (e.g. share_prompt=false to turn off shared-prompt training forwards)")
     p.add_argument("--engines", default="hf", help="relign variants to run, comma-separated: hf, vllm (rollout.engine=vllm), packed (hf with "
-                   "packing=true); the first is the headline (default hf)")
+                   "packing=true), stale / async (rollout.max_staleness=1 with overlap none / thread); the first is the "
+                   "headline (default hf)")
     p.add_argument("--out", default=str(RESULTS), help="JSON results path")
     # internal
     p.add_argument("--worker", choices=LIBS, help=argparse.SUPPRESS)

@@ -22,6 +22,14 @@ MAX_CHART_POINTS = 400  # longer series are averaged into this many buckets
 # are not plotted again among the generic per-key plots. Patterns are fnmatch-style.
 CHARTS: list[tuple[str, str, tuple[str, ...], str | None]] = [
     ("reward", "Reward (mean ± std)", ("reward/mean",), "reward/std"),
+    # beside the reward curve: is the engine sampling from the weights the trainer holds, and how stale is the data
+    ("mismatch", "Engine vs trainer: log-prob mismatch, behaviour KL, sync check",
+     ("actor/logp_mismatch", "actor/logp_mismatch_max", "actor/behav_kl", "rollout/sync_gap"), None),
+    ("behaviour-weights", "Off-policy: behaviour weights pi_prox / pi_behav and PPO ratios",
+     ("actor/behav_is_mean", "actor/behav_is_std", "actor/behav_is_max", "actor/behav_is_capped_frac",
+      "actor/behav_is_masked_frac", "actor/ratio_min", "actor/ratio_max"), None),
+    ("staleness", "Off-policy: staleness (updates between sampling and training)",
+     ("rollout/staleness_mean", "rollout/staleness_max"), None),
     ("reward-components", "Reward score and components", ("reward/score", "reward/*"), None),
     ("eval-accuracy", "Eval accuracy", ("eval/accuracy", "eval/pass@*", "eval/maj@*", "eval/score"), None),
     ("rest-accuracy", "Validation accuracy per ReST-EM iteration", ("rest/val_accuracy",), None),

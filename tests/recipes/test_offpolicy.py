@@ -136,6 +136,16 @@ def test_thread_overlap_equals_sampling_in_turn(tiny_model_dir, tmp_path):
     for step in (1, 2, 3):
         assert (runs["none"] / "rollouts" / f"step_{step}.jsonl").read_text() == \
             (runs["thread"] / "rollouts" / f"step_{step}.jsonl").read_text()
+    # the report's mismatch panel sits right after the reward curve, with the off-policy charts
+    import re
+
+    from relign.report import write_report
+
+    page = write_report(runs["thread"]).read_text()
+    ids = re.findall(r'<figure class="chart" id="chart-([a-z0-9-]+)"', page)
+    assert ids[:4] == ["reward", "mismatch", "behaviour-weights", "staleness"], ids
+    panel = page[page.index('id="chart-mismatch"'):page.index('id="chart-behaviour-weights"')]
+    assert "actor/behav_kl" in panel and "rollout/sync_gap" in panel and "actor/logp_mismatch" in panel
     wa = load_file(str(runs["none"] / "checkpoints" / "step_3" / "model.safetensors"))
     wb = load_file(str(runs["thread"] / "checkpoints" / "step_3" / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
