@@ -4,6 +4,9 @@
         1. rollout      G completions for each of the step's prompts (single- or multi-turn),
                         scored by the task's reward in worker processes (errors, timeouts -> 0)
                         [DAPO dynamic sampling: drop zero-variance groups, draw more prompts]
+                        [rollout.max_staleness = s: batch k + s is sampled now, by the current
+                        weights, and batch k, sampled s steps ago, is trained; overlap=thread
+                        samples it in a background thread during steps 2-6, joined before 7]
         2. ref logps    only with a KL term
         3. old logps    only when the batch serves more than one update (else the detached
                         current log-probs: the ratio is 1 and its gradient exact)
@@ -12,7 +15,8 @@
         5. advantages   one estimator, looked up by name in ESTIMATORS
         6. updates      ppo_epochs x mini_batches optimizer steps of the clipped policy loss
                         (+ KL, entropy), and of the clipped value loss for the critic
-        7. weight sync  to the engine (nothing to copy when the engine shares the policy)
+        7. weight sync  to the engine (nothing to copy when the engine shares the policy), then the
+                        sync check: engine and trainer score a fixed probe, the same or the run stops
 
 Under torchrun every rank samples its share of the prompts, the groups are gathered, and the
 sequences are balanced over ranks and micro-batches by token count (``rl_update``). Presets in

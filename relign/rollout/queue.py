@@ -2,7 +2,8 @@
 
 With staleness s, step k trains on batch k while batches k+1 .. k+s, sampled by older
 weights, wait here. Each batch remembers the policy version that sampled it (the number of
-updates applied before it was sampled), so staleness = version now - version then. The queue
+steps done before it was sampled; a step that dynamic sampling skipped counts, though it
+changed no weight), so staleness = version now - version then. The queue
 is part of the run's state: a checkpoint holds it as plain data (token ids, log-probs,
 rewards, extra_info, versions), which ``torch.load(weights_only=True)`` reads back, so a
 killed run resumes with the very batches it had in flight.

@@ -51,6 +51,18 @@ def test_sampling_logps_match_the_trainer(setup, temperature):
     assert max_gap(policy, prompts, outs, temperature) < TOL
 
 
+def test_score_tokens_are_the_trainers_log_probs(setup):
+    """The sync check's probe: vLLM's prompt log-probs of given sequences equal the trainer's
+    own forward (computed here from the logits) within the sampling tolerance."""
+    tok, policy, engine = setup
+    seqs = [p + tok(" and then some more words")["input_ids"] for p in _prompts(tok, 3)]
+    got = engine.score_tokens(seqs)
+    assert [len(g) for g in got] == [len(s) - 1 for s in seqs]
+    for seq, g in zip(seqs, got):
+        want = trainer_logps(policy, seq[:1], seq[1:])
+        assert (want - torch.tensor(g)).abs().max() < TOL
+
+
 def test_completion_fields_stop_tokens_and_min_tokens(setup):
     tok, policy, engine = setup
     prompts = _prompts(tok, 2)
