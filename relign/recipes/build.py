@@ -179,6 +179,21 @@ def collector_for(task, t: TaskConfig, ro: RolloutConfig, rw: LearnedRewardConfi
     return collector
 
 
+def heldout_records(task, path: str, split: str, *, max_rows: int, seed: int, train_rows: int = 0) -> list[dict]:
+    """Evaluation records (``Task.load_heldout``): a procedural task's come from a seed derived
+    apart from the training ``seed``, and those whose question a training problem holds are
+    dropped; the count is printed."""
+    try:
+        records, dropped = task.load_heldout(path or None, split or None, max_rows=max_rows, seed=seed,
+                                             train_rows=train_rows)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        raise ConfigError(f"task: {e}") from None
+    if task.generate_spec is not None and not path and distributed.is_main():
+        print(f"eval data: {task.name}: {len(records) + dropped:,} held-out problems generated, {dropped:,} dropped "
+              "(their question is a training problem's)", file=sys.stderr, flush=True)
+    return records
+
+
 def evaluator_for(e: EvalDuringTrainingConfig, t: TaskConfig, ro: RolloutConfig, tokenizer, run_dir: Path, *,
                   seed: int) -> PeriodicEval:
     """RL's held-out eval (``eval.*``): the task as the run's (its reward, chat template, format
@@ -187,7 +202,7 @@ def evaluator_for(e: EvalDuringTrainingConfig, t: TaskConfig, ro: RolloutConfig,
     task = build_task(t.name, path=e.path, reward_fn=t.reward_fn, chat=t.chat, system_prompt=t.system_prompt,
                       format_weight=t.format_weight, extract_fn=t.extract_fn, equal_fn=t.equal_fn,
                       reward_style=t.reward_style, answer_format=t.answer_format)
-    records = task.load(e.path or None, e.split or None, max_rows=e.max_rows)
+    records = heldout_records(task, e.path, e.split, max_rows=e.max_rows, seed=seed, train_rows=t.max_rows)
     return PeriodicEval(task, records, tokenizer, run_dir, every=e.every, n=e.n, ks=e.ks, temperature=e.temperature,
                         max_new_tokens=e.max_new_tokens or ro.max_new_tokens, batch_prompts=e.batch_prompts,
                         samples=e.samples, stop=ro.stop, max_prompt_length=t.max_prompt_length, seed=seed,

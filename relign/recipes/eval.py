@@ -188,7 +188,7 @@ def train(cfg: Config) -> RunResult:
                           "strategy; strategy=sample is the plain n-sample eval")
     cells = _check_search(cfg, task) if cfg.strategy != "sample" or cfg.sweep.strategies else []
     run = frame.open(cfg, "eval")  # a fresh directory, never an earlier eval's (relign.rundir)
-    records = task.load(t.path or None, t.split or None, max_rows=t.max_rows)
+    records = build.heldout_records(task, t.path, t.split, max_rows=t.max_rows, seed=cfg.seed)
     tok = load_model_tokenizer(m)
     what = (f"{len(cells)} search(es): " + ", ".join(f"{n} (budget {b.max_generated_tokens or '-'})" for n, b in cells)
             if cells else f"{cfg.n} sample(s) per problem at temperature {cfg.temperature:g}")
