@@ -137,7 +137,7 @@ def task_for(t: TaskConfig):
     """The task of an RL run (a built-in task, a custom one, or a procedural multi-turn one)."""
     return build_task(t.name, path=t.path, reward_fn=t.reward_fn, chat=t.chat, system_prompt=t.system_prompt,
                       format_weight=t.format_weight, single_turn=False, reward_style=t.reward_style,
-                      answer_format=t.answer_format)
+                      answer_format=t.answer_format, sections=t)
 
 
 def collector_for(task, t: TaskConfig, ro: RolloutConfig, rw: LearnedRewardConfig, tokenizer, engine, *,
@@ -201,7 +201,7 @@ def evaluator_for(e: EvalDuringTrainingConfig, t: TaskConfig, ro: RolloutConfig,
     rollouts' stop strings and, by default, their token budget."""
     task = build_task(t.name, path=e.path, reward_fn=t.reward_fn, chat=t.chat, system_prompt=t.system_prompt,
                       format_weight=t.format_weight, extract_fn=t.extract_fn, equal_fn=t.equal_fn,
-                      reward_style=t.reward_style, answer_format=t.answer_format)
+                      reward_style=t.reward_style, answer_format=t.answer_format, sections=t)
     records = heldout_records(task, e.path, e.split, max_rows=e.max_rows, seed=seed, train_rows=t.max_rows)
     return PeriodicEval(task, records, tokenizer, run_dir, every=e.every, n=e.n, ks=e.ks, temperature=e.temperature,
                         max_new_tokens=e.max_new_tokens or ro.max_new_tokens, batch_prompts=e.batch_prompts,
