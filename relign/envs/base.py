@@ -325,11 +325,19 @@ def question_text(record: dict[str, Any]) -> str:
     return str(record.get("prompt", ""))
 
 
+def problem_key(record: dict[str, Any]) -> str:
+    """What identifies a record's problem: ``extra_info["problem_key"]`` when the generator sets one
+    (a game's first observation is often the same text for every seed: the game is its seed),
+    else the question text."""
+    key = (record.get("extra_info") or {}).get("problem_key")
+    return str(key) if key is not None else question_text(record)
+
+
 def disjoint(heldout: list[dict[str, Any]], train: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-    """``heldout`` without the records whose question text occurs in ``train``, and how many
-    were dropped."""
-    seen = {question_text(r) for r in train}
-    kept = [r for r in heldout if question_text(r) not in seen]
+    """``heldout`` without the records whose problem (``problem_key``: the question text, unless
+    the generator names it) occurs in ``train``, and how many were dropped."""
+    seen = {problem_key(r) for r in train}
+    kept = [r for r in heldout if problem_key(r) not in seen]
     return kept, len(heldout) - len(kept)
 
 

@@ -21,6 +21,7 @@ from relign.envs.base import Task, load_function, make_custom_task
 # each task's factory from its module, not through the package (relign/envs/__init__.py imports this module)
 from relign.envs.calculator import task as calculator_task
 from relign.envs.countdown import task as countdown_task
+from relign.envs.gem_env import task as gem_task
 from relign.envs.gsm8k import task as gsm8k_task
 from relign.envs.math import task as math_task
 from relign.envs.reasoning_gym import task as reasoning_gym_task
@@ -55,10 +56,11 @@ TASKS: dict[str, Callable[..., Task]] = {
     "calculator": calculator_task,
     "reasoning_gym": reasoning_gym_task,  # needs relign[reasoning-gym]; imported when a task is built
     "rg": reasoning_gym_task,
+    "gem": gem_task,  # needs relign[gem]
     "custom": make_custom_task,
 }
 # The factories that take a config section of their own: task.rg, task.gem (TaskConfig).
-SECTIONS = {"reasoning_gym": "rg", "rg": "rg"}
+SECTIONS = {"reasoning_gym": "rg", "rg": "rg", "gem": "gem"}
 
 
 def get_task(name_or_spec: str, **kwargs: Any) -> Task:

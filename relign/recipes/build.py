@@ -19,6 +19,7 @@ import torch
 from .. import distributed
 from ..config import ConfigError, TaskConfig, VllmConfig
 from ..envs.base import load_function
+from ..envs.env import make_env
 from ..envs.rewards import RewardPool
 from ..envs.tasks import build_task
 from ..evaluate import PeriodicEval
@@ -148,7 +149,7 @@ def collector_for(task, t: TaskConfig, ro: RolloutConfig, rw: LearnedRewardConfi
         raise ConfigError("reward.model scores single-turn completions; it cannot be combined with a multi-turn environment "
                           f"(task.env or task.name={t.name})")
     try:
-        env = load_function(env_spec)() if env_spec else None
+        env = make_env(load_function(env_spec), tokenizer) if env_spec else None
         records = task.load(t.path or None, t.split or None, max_rows=t.max_rows, seed=seed)
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise ConfigError(f"task: {e}") from None

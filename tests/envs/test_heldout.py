@@ -18,10 +18,14 @@ from relign.errors import ConfigError
 
 
 def _questions(records: list[dict]) -> list[str]:
-    """Question texts, read here independently: a raw prompt or the user turns of a chat."""
+    """Problem identities, read here independently: the key a generator names (a game: its env id
+    and seed, since its first observation is the same text for many seeds), else the question
+    text: a raw prompt or the user turns of a chat."""
     out = []
     for r in records:
-        if "messages" in r:
+        if "problem_key" in r.get("extra_info", {}):
+            out.append(r["extra_info"]["problem_key"])
+        elif "messages" in r:
             out.append("\n".join(m["content"] for m in r["messages"] if m["role"] == "user"))
         else:
             out.append(r["prompt"])
