@@ -9,7 +9,7 @@ import pytest
 
 from relign.tracking import read_metrics
 
-from ..conftest import run_cli
+from ..conftest import REPO, run_cli
 
 COMMON = ["logging.tensorboard=false", "logging.progress=false", "checkpoint.save_final=false"]
 # a small problem space (9 x 9 x 2 one-digit sums): held-out draws do repeat training questions
@@ -68,3 +68,18 @@ def test_rl_on_a_gem_game_with_a_turn_limit(tiny_model_dir, tmp_path):
         assert t["problem"].startswith("You are playing Guess The Number.")
         assert t["finish_reason"] in ("stop", "max_turns", "length")
         assert -0.1 - 1e-9 <= t["reward"] <= 1.0
+
+
+@pytest.mark.parametrize("preset, package, extra", [
+    ("rg_chain_sum", "reasoning_gym", ["prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8", "eval.every=1",
+                                       "eval.max_rows=4", "eval.n=1", "eval.max_new_tokens=8", "task.rg.size=16"]),
+    ("gem_guess_number", "gem", ["prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8", "task.max_rows=4"]),
+])
+def test_presets_run_as_shipped(preset, package, extra, tiny_model_dir, tmp_path):
+    """The shipped presets, shrunk to two steps of a micro model."""
+    pytest.importorskip(package)
+    run = tmp_path / "run"
+    run_cli("rl", str(REPO / "examples" / f"{preset}.yaml"), f"model.path={tiny_model_dir}", "max_steps=2", *extra,
+            f"run_dir={run}", *COMMON)
+    rows = [r for r in read_metrics(run) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2]
