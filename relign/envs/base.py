@@ -178,8 +178,14 @@ class Task:
     """A multi-turn environment class by spec (``"relign.envs.calculator:CalculatorEnv"``): the
     task's episodes then run turn by turn and the environment's rewards train."""
     generate_spec: str | None = None
-    """A procedural task's record generator by spec, ``fn(n, seed) -> records``, used by ``load()``
-    when no path is given."""
+    """A procedural task's record generator by spec, ``fn(n, seed, chat=..., **generate_kwargs) ->
+    records``, used by ``load()`` (training problems, ``seed``) and ``load_heldout()`` (held-out
+    problems, ``eval_seed(seed)``) when no path is given."""
+    generate_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword options the generator receives on every call (reasoning-gym: the datasets, their
+    generator options)."""
+    generate_sizes: tuple[int, int] = (1024, 1024)
+    """A procedural task's record counts when ``max_rows`` is 0: (training, held-out)."""
     term_weights: dict[str, float] = field(default_factory=dict)
     """The reward as a weighted sum of its components: reward = sum_k w_k * components[k]
     (built-in tasks: correct 1, format format_weight). Empty: unknown (custom rewards)."""
@@ -222,7 +228,7 @@ class Task:
         ``seed``. Bad rows raise ``DataError`` naming the file, the row and the field.
         """
         if not path and self.generate_spec is not None:
-            return load_function(self.generate_spec)(max_rows or 1024, seed, chat=self.chat)
+            return self.generate(max_rows or self.generate_sizes[0], seed)
         source = path or self.default_path
         if source is None:
             raise ValueError(f"task '{self.name}' has no default data; pass a path")
@@ -235,6 +241,29 @@ class Task:
             key = "messages" if isinstance(prompt, list) else "prompt"
             records.append({key: prompt, "extra_info": extra_info})
         return records
+
+    def generate(self, n: int, seed: int) -> list[dict[str, Any]]:
+        """``n`` records from a procedural task's generator, deterministic in ``seed``."""
+        if self.generate_spec is None:
+            raise ValueError(f"task '{self.name}' is not procedural (it has no generate_spec)")
+        return load_function(self.generate_spec)(n, seed, chat=self.chat, **self.generate_kwargs)
+
+    def load_heldout(self, path: str | None = None, split: str | None = None, max_rows: int = 0, seed: int = 0,
+                     *, train_rows: int = 0) -> tuple[list[dict[str, Any]], int]:
+        """Evaluation records and how many were dropped because the training set holds them.
+
+        A file (``path``, or a task's shipped test set) is read as ``load`` reads it (0 dropped).
+        A procedural task generates its held-out problems from ``eval_seed(seed)``, never from
+        the training ``seed`` itself (which would evaluate on the training problems), and drops
+        every one whose question text occurs among the ``train_rows`` (0: the task's default
+        count) training problems of ``seed``: a small problem space repeats questions even
+        across seeds.
+        """
+        if path or self.generate_spec is None:
+            return self.load(path, split, max_rows=max_rows, seed=seed), 0
+        train = self.generate(train_rows or self.generate_sizes[0], seed)
+        heldout = self.generate(max_rows or self.generate_sizes[1], eval_seed(seed))
+        return disjoint(heldout, train)
 
     @property
     def reward_fn(self) -> Callable[..., Any]:
@@ -272,6 +301,44 @@ class Task:
         if self.equal_spec is None:
             return a == b
         return bool(self._spec_fn("_equal_fn", self.equal_spec)(a, b))
+
+
+# --------------------------------------------------------------------------- train / held-out split
+
+EVAL_SALT = 0x5EED
+
+
+def eval_seed(seed: int) -> int:
+    """The seed of a procedural task's held-out problems, derived from the training ``seed``.
+
+    A hash (not ``seed + 1``), so that no training seed is another run's eval seed by an
+    off-by-one, and the result does not depend on Python's hash randomisation."""
+    digest = hashlib.blake2b(f"{EVAL_SALT}:{int(seed)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # 63 bits, as rollout.engine.derive_seed
+
+
+def question_text(record: dict[str, Any]) -> str:
+    """A record's question: its raw prompt, or its chat's user turns joined (the system prompt,
+    shared by every record, is left out)."""
+    if "messages" in record:
+        return "\n".join(str(m.get("content", "")) for m in record["messages"] if m.get("role") == "user")
+    return str(record.get("prompt", ""))
+
+
+def problem_key(record: dict[str, Any]) -> str:
+    """What identifies a record's problem: ``extra_info["problem_key"]`` when the generator sets one
+    (a game's first observation is often the same text for every seed: the game is its seed),
+    else the question text."""
+    key = (record.get("extra_info") or {}).get("problem_key")
+    return str(key) if key is not None else question_text(record)
+
+
+def disjoint(heldout: list[dict[str, Any]], train: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """``heldout`` without the records whose problem (``problem_key``: the question text, unless
+    the generator names it) occurs in ``train``, and how many were dropped."""
+    seen = {problem_key(r) for r in train}
+    kept = [r for r in heldout if problem_key(r) not in seen]
+    return kept, len(heldout) - len(kept)
 
 
 def make_custom_task(

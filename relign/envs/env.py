@@ -17,6 +17,11 @@ build it may define ``async def reset(self, extra_info: dict) -> str``; a driver
 it calls it instead of using the prompt (``initial_state``), once per prompt, so the G
 episodes of a group (whose rewards are compared) start from the same state.
 
+A ``done`` result whose ``extra_info`` says ``"finish_reason": "max_turns"`` ended on the
+environment's own turn limit (a game's truncation): the driver records the episode's
+finish_reason as ``max_turns``, as when its own limit stops it. An env class whose constructor
+takes ``tokenizer`` receives the run's (``make_env``): it renders chat turns (``GemEnv``).
+
 Broken results are errors, not masked episodes. A ``step`` result that breaks the contract
 (not a dict, a missing key, a non-finite or non-numeric reward/score, a wrong type) is a
 deterministic bug in the env: it would break the same way on every run, and training around
@@ -29,6 +34,7 @@ reward 0 and counts it (``Episode.env_errors``).
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Protocol, TypedDict, runtime_checkable
 
@@ -63,6 +69,16 @@ class EnvError(ValueError):
 
 class EnvTypeError(EnvError, TypeError):
     """A contract violation of the wrong-type kind; also a ``TypeError`` for callers that catch that."""
+
+
+def make_env(factory: Any, tokenizer: Any = None) -> Any:
+    """An environment from its class or factory: ``factory(tokenizer=tokenizer)`` when it takes a
+    tokenizer, else ``factory()``."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        params = {}
+    return factory(tokenizer=tokenizer) if "tokenizer" in params else factory()
 
 
 async def initial_state(env: Any, prompt: str, extra_info: dict) -> str:

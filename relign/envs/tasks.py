@@ -13,6 +13,7 @@ a model is evaluated on exactly the token ids it was trained on.
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -20,8 +21,10 @@ from relign.envs.base import Task, load_function, make_custom_task
 # each task's factory from its module, not through the package (relign/envs/__init__.py imports this module)
 from relign.envs.calculator import task as calculator_task
 from relign.envs.countdown import task as countdown_task
+from relign.envs.gem_env import task as gem_task
 from relign.envs.gsm8k import task as gsm8k_task
 from relign.envs.math import task as math_task
+from relign.envs.reasoning_gym import task as reasoning_gym_task
 from relign.envs.reward_fn import detect_reward_style
 from relign.errors import ConfigError
 
@@ -51,8 +54,13 @@ TASKS: dict[str, Callable[..., Task]] = {
     "math500": math_task,
     "countdown": countdown_task,
     "calculator": calculator_task,
+    "reasoning_gym": reasoning_gym_task,  # needs relign[reasoning-gym]; imported when a task is built
+    "rg": reasoning_gym_task,
+    "gem": gem_task,  # needs relign[gem]
     "custom": make_custom_task,
 }
+# The factories that take a config section of their own: task.rg, task.gem (TaskConfig).
+SECTIONS = {"reasoning_gym": "rg", "rg": "rg", "gem": "gem"}
 
 
 def get_task(name_or_spec: str, **kwargs: Any) -> Task:
@@ -82,13 +90,18 @@ def is_multi_turn(name: str) -> bool:
 
 def build_task(name: str, *, path: str = "", reward_fn: str = "", chat: bool = True, system_prompt: str = "",
                format_weight: float = 0.0, extract_fn: str = "", equal_fn: str = "", single_turn: bool = True,
-               reward_style: str = "auto", answer_format: str = "boxed") -> Task:
+               reward_style: str = "auto", answer_format: str = "boxed", sections: Any = None) -> Task:
     """The task as ``relign rl`` builds it (``reward_fn`` replaces a built-in task's reward; a
     custom task needs ``path`` and ``reward_fn``), with optional answer extractor / equivalence
     overrides for maj@k. ``single_turn`` refuses a task that runs in a multi-turn environment
     (evaluation samples single completions). ``answer_format`` is the math task's (``"boxed"``,
-    ``"boxed_or_final"``, ``"any"``). Problems a user can fix raise ``ConfigError``."""
+    ``"boxed_or_final"``, ``"any"``). ``sections`` (the ``TaskConfig``, or any object with its
+    ``rg`` / ``gem`` attributes) gives a procedural task its own section (``SECTIONS``). Problems a
+    user can fix raise ``ConfigError``."""
     opts: dict[str, Any] = {"chat": chat, "system_prompt": system_prompt or None}
+    if name in SECTIONS and sections is not None:
+        section = getattr(sections, SECTIONS[name])
+        opts[SECTIONS[name]] = dataclasses.asdict(section) if dataclasses.is_dataclass(section) else dict(section)
     if answer_format != "boxed":
         if name not in ("math", "math500"):
             raise ConfigError(f"task.answer_format={answer_format} applies to the math task, not task.name={name}")
@@ -112,6 +125,8 @@ def build_task(name: str, *, path: str = "", reward_fn: str = "", chat: bool = T
             task = replace(task, extract_spec=extract_fn)
         if equal_fn:
             task = replace(task, equal_spec=equal_fn)
+    except ConfigError:
+        raise  # already one line naming its key
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise ConfigError(f"task: {e}") from None
     if single_turn and task.env:

@@ -19,6 +19,7 @@ import torch
 from .. import distributed
 from ..config import ConfigError, TaskConfig, VllmConfig
 from ..envs.base import load_function
+from ..envs.env import make_env
 from ..envs.rewards import RewardPool
 from ..envs.tasks import build_task
 from ..evaluate import PeriodicEval
@@ -140,7 +141,7 @@ def task_for(t: TaskConfig):
     """The task of an RL run (a built-in task, a custom one, or a procedural multi-turn one)."""
     return build_task(t.name, path=t.path, reward_fn=t.reward_fn, chat=t.chat, system_prompt=t.system_prompt,
                       format_weight=t.format_weight, single_turn=False, reward_style=t.reward_style,
-                      answer_format=t.answer_format)
+                      answer_format=t.answer_format, sections=t)
 
 
 def collector_for(task, t: TaskConfig, ro: RolloutConfig, rw: LearnedRewardConfig, tokenizer, engine, *,
@@ -151,7 +152,7 @@ def collector_for(task, t: TaskConfig, ro: RolloutConfig, rw: LearnedRewardConfi
         raise ConfigError("reward.model scores single-turn completions; it cannot be combined with a multi-turn environment "
                           f"(task.env or task.name={t.name})")
     try:
-        env = load_function(env_spec)() if env_spec else None
+        env = make_env(load_function(env_spec), tokenizer) if env_spec else None
         records = task.load(t.path or None, t.split or None, max_rows=t.max_rows, seed=seed)
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise ConfigError(f"task: {e}") from None
@@ -182,6 +183,21 @@ def collector_for(task, t: TaskConfig, ro: RolloutConfig, rw: LearnedRewardConfi
     return collector
 
 
+def heldout_records(task, path: str, split: str, *, max_rows: int, seed: int, train_rows: int = 0) -> list[dict]:
+    """Evaluation records (``Task.load_heldout``): a procedural task's come from a seed derived
+    apart from the training ``seed``, and those whose question a training problem holds are
+    dropped; the count is printed."""
+    try:
+        records, dropped = task.load_heldout(path or None, split or None, max_rows=max_rows, seed=seed,
+                                             train_rows=train_rows)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        raise ConfigError(f"task: {e}") from None
+    if task.generate_spec is not None and not path and distributed.is_main():
+        print(f"eval data: {task.name}: {len(records) + dropped:,} held-out problems generated, {dropped:,} dropped "
+              "(their question is a training problem's)", file=sys.stderr, flush=True)
+    return records
+
+
 def evaluator_for(e: EvalDuringTrainingConfig, t: TaskConfig, ro: RolloutConfig, tokenizer, run_dir: Path, *,
                   seed: int) -> PeriodicEval:
     """RL's held-out eval (``eval.*``): the task as the run's (its reward, chat template, format
@@ -189,8 +205,8 @@ def evaluator_for(e: EvalDuringTrainingConfig, t: TaskConfig, ro: RolloutConfig,
     rollouts' stop strings and, by default, their token budget."""
     task = build_task(t.name, path=e.path, reward_fn=t.reward_fn, chat=t.chat, system_prompt=t.system_prompt,
                       format_weight=t.format_weight, extract_fn=t.extract_fn, equal_fn=t.equal_fn,
-                      reward_style=t.reward_style, answer_format=t.answer_format)
-    records = task.load(e.path or None, e.split or None, max_rows=e.max_rows)
+                      reward_style=t.reward_style, answer_format=t.answer_format, sections=t)
+    records = heldout_records(task, e.path, e.split, max_rows=e.max_rows, seed=seed, train_rows=t.max_rows)
     return PeriodicEval(task, records, tokenizer, run_dir, every=e.every, n=e.n, ks=e.ks, temperature=e.temperature,
                         max_new_tokens=e.max_new_tokens or ro.max_new_tokens, batch_prompts=e.batch_prompts,
                         samples=e.samples, stop=ro.stop, max_prompt_length=t.max_prompt_length, seed=seed,

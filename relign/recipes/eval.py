@@ -182,13 +182,13 @@ def train(cfg: Config) -> RunResult:
     t, m = cfg.task, cfg.model
     task = build_task(t.name, path=t.path, reward_fn=t.reward_fn, chat=t.chat, system_prompt=t.system_prompt,
                       format_weight=t.format_weight, extract_fn=t.extract_fn, equal_fn=t.equal_fn,
-                      reward_style=t.reward_style, answer_format=t.answer_format)
+                      reward_style=t.reward_style, answer_format=t.answer_format, sections=t)
     if cfg.strategy == "sample" and cfg.sweep.budgets and not cfg.sweep.strategies:
         raise ConfigError("sweep.budgets are token budgets of a search: set strategy= (or sweep.strategies) to a search "
                           "strategy; strategy=sample is the plain n-sample eval")
     cells = _check_search(cfg, task) if cfg.strategy != "sample" or cfg.sweep.strategies else []
     run = frame.open(cfg, "eval")  # a fresh directory, never an earlier eval's (relign.rundir)
-    records = task.load(t.path or None, t.split or None, max_rows=t.max_rows)
+    records = build.heldout_records(task, t.path, t.split, max_rows=t.max_rows, seed=cfg.seed)
     tok = load_model_tokenizer(m)
     what = (f"{len(cells)} search(es): " + ", ".join(f"{n} (budget {b.max_generated_tokens or '-'})" for n, b in cells)
             if cells else f"{cfg.n} sample(s) per problem at temperature {cfg.temperature:g}")

@@ -211,6 +211,8 @@ def run_episodes(
             if last_model is not None:  # None only if the model never produced a token
                 e.token_rewards[last_model] += out["reward"]
             e.extra_info = out["extra_info"]
+            if out["done"] and e.finish_reason == "stop" and out["extra_info"].get("finish_reason") == "max_turns":
+                e.finish_reason = "max_turns"  # the environment's own turn limit (relign.envs.env)
             if out["done"] or e.finish_reason == "length":
                 # the episode's text is what its tokens hold: prompt + ... + this action
                 states[i] = state + action

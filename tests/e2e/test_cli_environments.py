@@ -1,0 +1,85 @@
+"""relign rl / relign eval on task.name=reasoning_gym and task.name=gem, through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from relign.tracking import read_metrics
+
+from ..conftest import REPO, run_cli
+
+COMMON = ["logging.tensorboard=false", "logging.progress=false", "checkpoint.save_final=false"]
+# a small problem space (9 x 9 x 2 one-digit sums): held-out draws do repeat training questions
+SMALL = "task.rg.config={chain_sum: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}}"
+
+
+def _jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_rl_on_reasoning_gym_never_evaluates_on_a_training_problem(tiny_model_dir, tmp_path):
+    rg = pytest.importorskip("reasoning_gym")
+    run = tmp_path / "run"
+    proc = run_cli("rl", f"model.path={tiny_model_dir}", "task.name=reasoning_gym", "task.rg.datasets={chain_sum: 1}",
+                   SMALL, "task.max_rows=100", "task.reward_workers=0", "rollout.n=2", "rollout.max_new_tokens=6",
+                   "prompts_per_step=2", "max_steps=2", "eval.every=2", "eval.max_rows=30", "eval.max_new_tokens=6",
+                   f"run_dir={run}", *COMMON)
+    dropped = int(re.search(r"30 held-out problems generated, (\d+) dropped", proc.stderr).group(1))
+    # the training problems, built here by reasoning-gym itself (seed 0, the run's default)
+    train = {rg.create_dataset("chain_sum", seed=0, size=100, min_terms=2, max_terms=2, min_digits=1,
+                               max_digits=1)[i]["question"] for i in range(100)}
+    samples = _jsonl(run / "eval" / "step_2.jsonl")
+    assert dropped > 0 and len(samples) == 30 - dropped  # eval.n=1: one sample per held-out problem
+    assert {s["question"] for s in samples}.isdisjoint(train)
+    rows = {r["step"]: r for r in read_metrics(run)}
+    assert rows[2]["eval/num_problems"] == 30 - dropped and "reward/mean" in rows[1]
+    trained = {json.loads(line)["problem"] for line in (run / "rollouts" / "step_1.jsonl").read_text().splitlines()}
+    assert trained <= train  # the rollouts' prompts are training problems
+
+
+def test_eval_on_reasoning_gym(tiny_model_dir, tmp_path):
+    pytest.importorskip("reasoning_gym")
+    run = tmp_path / "eval"
+    run_cli("eval", f"model.path={tiny_model_dir}", "task.name=reasoning_gym",
+            "task.rg.datasets={chain_sum: 1, leg_counting: 1}", "task.max_rows=4", "n=2", "temperature=1.0",
+            "max_new_tokens=6", f"run_dir={run}", "logging.progress=false")
+    summary = json.loads((run / "eval.json").read_text())["metrics"]
+    assert summary["num_problems"] == 4 and summary["num_samples"] == 8
+    for key in ("accuracy", "pass@2", "maj@2", "reward_mean"):
+        assert 0.0 <= summary[key] <= 1.0
+    datasets = {json.loads(line)["question"][:20] for line in (run / "samples.jsonl").read_text().splitlines()}
+    assert len(datasets) >= 1
+
+
+def test_rl_on_a_gem_game_with_a_turn_limit(tiny_model_dir, tmp_path):
+    pytest.importorskip("gem")
+    run = tmp_path / "run"
+    run_cli("rl", f"model.path={tiny_model_dir}", "task.name=gem", "task.gem.env_id=game:GuessTheNumber-v0-easy",
+            "task.chat=false", "rollout.max_turns=4", "max_steps=2", "task.max_rows=4", "rollout.n=2",
+            "rollout.max_new_tokens=8", "prompts_per_step=2", f"run_dir={run}", *COMMON)
+    rows = [r for r in read_metrics(run) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    traces = _jsonl(run / "rollouts" / "step_1.jsonl")
+    assert len(traces) == 4
+    for t in traces:
+        assert t["problem"].startswith("You are playing Guess The Number.")
+        assert t["finish_reason"] in ("stop", "max_turns", "length")
+        assert -0.1 - 1e-9 <= t["reward"] <= 1.0
+
+
+@pytest.mark.parametrize("preset, package, extra", [
+    ("rg_chain_sum", "reasoning_gym", ["prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8", "eval.every=1",
+                                       "eval.max_rows=4", "eval.n=1", "eval.max_new_tokens=8", "task.rg.size=16"]),
+    ("gem_guess_number", "gem", ["prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8", "task.max_rows=4"]),
+])
+def test_presets_run_as_shipped(preset, package, extra, tiny_model_dir, tmp_path):
+    """The shipped presets, shrunk to two steps of a micro model."""
+    pytest.importorskip(package)
+    run = tmp_path / "run"
+    run_cli("rl", str(REPO / "examples" / f"{preset}.yaml"), f"model.path={tiny_model_dir}", "max_steps=2", *extra,
+            f"run_dir={run}", *COMMON)
+    rows = [r for r in read_metrics(run) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2]
