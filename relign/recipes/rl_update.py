@@ -120,8 +120,8 @@ def plan(batch: RolloutBatch, rows: torch.Tensor, layout: Layout) -> list[MicroB
     else:
         sizes = (prompt + G * resp.amax(-1)).tolist()
     max_items = max(1, layout.max_rows // G) if layout.max_rows else 0
-    mine = micro_batch_plan(sizes, ranks=distributed.world_size(), max_tokens=layout.max_tokens, max_items=max_items)
-    mine = mine[distributed.rank()]
+    mine = micro_batch_plan(sizes, ranks=distributed.data_size(), max_tokens=layout.max_tokens, max_items=max_items)
+    mine = mine[distributed.data_rank()]
     smallest = min(range(len(sizes)), key=lambda i: (sizes[i], i))
     out = [MicroBatch(items[part].flatten()) if part else MicroBatch(items[smallest], weight=0.0) for part in mine]
     if G > 1 and layout.max_rows and G > layout.max_rows:
@@ -396,7 +396,7 @@ def update_policy(policy, optimizer, scheduler, params, batch: RolloutBatch, min
     under a group baseline, and no KL or entropy term) are not run; the normalizer still counts
     them, so the update is the same. Returns the metrics and the number of updates skipped by
     the NaN guard."""
-    mask, world = batch.response_mask, distributed.world_size()
+    mask, world = batch.response_mask, distributed.grad_scale()
     stats, skipped = Stats(), 0
     inert = loss_fn.inert_rows(advantages, mask)
     stats.add("actor/zero_adv_frac", float(inert.float().mean()) if len(inert) else 0.0)
@@ -450,7 +450,7 @@ def update_policy(policy, optimizer, scheduler, params, batch: RolloutBatch, min
 def update_critic(critic, optimizer, params, batch: RolloutBatch, mini_batches: list[torch.Tensor], layout: Layout, *,
                   old_values, returns, value_clip: float = 0.0, max_grad_norm: float = 1.0) -> Stats:
     """One critic step per mini-batch: the (clipped) value loss, token-mean over the mini-batch."""
-    mask, world = batch.response_mask, distributed.world_size()
+    mask, world = batch.response_mask, distributed.grad_scale()
     stats = Stats()
     for b_rows in mini_batches:
         if len(b_rows) == 0:

@@ -50,7 +50,7 @@ def _check(cfg: Config) -> None:
     """Every setting that cannot work, before any data or model is read."""
     check_positive(cfg, "batch_size", "micro_batch_size", "eval_batch_size", "epochs")
     check_non_negative(cfg, "max_steps", "eval_every")  # max_steps 0 = epochs x steps per epoch
-    check_divides(cfg, "batch_size", "micro_batch_size", distributed.world_size())
+    check_divides(cfg, "batch_size", "micro_batch_size", distributed.data_size())
     check_common(cfg)
     check_choice("loss_agg", cfg.loss_agg, [m for m in MODES if m in ("token-mean", "seq-mean-token-mean")])
     check_choice("data.truncation", cfg.data.truncation, TRUNCATION)
@@ -112,13 +112,13 @@ def accumulate_gradients(
     micro = [_collate(group, packing, pad_id, device) for group in chunks(examples, micro_batch_size)]
     count = sum(aggregate_count(mb["loss_mask"], loss_agg, segment_ids=mb["segment_ids"]) for mb in micro)
     normalizer = distributed.all_reduce_sum(count)
-    world = distributed.world_size()
+    scale = distributed.grad_scale()
     loss_sum = torch.zeros((), device=device)
     for mb in micro:
         logps = _forward(model, mb)  # [B, T]
         loss = aggregate(-logps, mb["loss_mask"], loss_agg, normalizer, segment_ids=mb["segment_ids"])
         # FSDP averages gradients over ranks; scale so that they sum instead (N is global).
-        (loss * world).backward()
+        (loss * scale).backward()
         loss_sum += loss.detach()
     return loss_sum
 
@@ -129,7 +129,7 @@ def evaluate_loss(model, examples: list[SFTExample], *, batch_size: int, pad_id:
     """Token-mean negative log-likelihood over this rank's share of ``examples``, summed over ranks."""
     was_training = model.training
     model.eval()
-    mine = shard(examples, distributed.rank(), distributed.world_size())
+    mine = shard(examples, distributed.data_rank(), distributed.data_size())
     nll = torch.zeros((), device=device)
     count = torch.zeros((), device=device)
     groups = distributed.lockstep(list(chunks(mine, batch_size)), filler=examples[:1])
