@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import Replicate
 
 from . import distributed
 from .config import SCHEDULES
@@ -91,9 +92,12 @@ def grad_norm_on_mesh(grads) -> torch.Tensor:
     for g in grads:
         local, groups = g, ()
         if hasattr(g, "to_local"):
-            mesh = g.device_mesh
+            if any(pl.is_partial() for pl in g.placements):  # unreduced partial sums: reduce them first
+                g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl
+                                               for pl in g.placements])
             local = g.to_local()
-            groups = tuple(mesh.get_group(d) for d, pl in enumerate(g.placements) if pl.is_shard())
+            # every split dimension: Shard, and FSDP's _StridedShard over tp's Shard (not a Shard subclass)
+            groups = tuple(g.device_mesh.get_group(d) for d, pl in enumerate(g.placements) if not pl.is_replicate())
         buckets.setdefault(groups, []).append(torch.linalg.vector_norm(local, 2.0, dtype=torch.float64).square())
     total = torch.zeros((), dtype=torch.float64)
     for groups, squares in buckets.items():
