@@ -190,3 +190,37 @@ def test_two_d_mesh_gradients_and_clipping_with_mixed_placements():
         assert max(r["grads"].values()) < 1e-6, r["grads"]
         assert r["norm"] == pytest.approx(float(grads["norm"]), rel=1e-6)
         assert r["clipped"] < 1e-6
+
+
+def _qwen3_tp(model) -> dict:
+    from relign import distributed
+    from relign.models.tp import apply_tp
+
+    distributed.init_mesh(tp_size=2)
+    ref = copy.deepcopy(model)
+    apply_tp(model, distributed.mesh("tp"))
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids).logits
+    out.logsumexp(-1).mean().backward()
+    want = ref(input_ids=ids).logits
+    want.logsumexp(-1).mean().backward()
+    grads = {n: (distributed.full_tensor(p.grad) - q.grad).abs().max().item()
+             for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())}
+    return {"logits": (out - want).abs().max().item(), "grads": grads}
+
+
+def test_qwen3_plan_sums_the_per_head_norms_gradients():
+    """Qwen3's own plan (transformers' base_model_tp_plan) on tp = 2: q_norm and k_norm are whole
+    weights applied to each rank's own heads, so each rank's weight gradient is a partial sum over
+    heads; 'replicated_with_grad_allreduce' sums it over the tp ranks. Logits and every gradient,
+    those norms' included, equal the unsharded model's."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    for r in run_ranks(_qwen3_tp, 2, model):
+        assert r["logits"] < 1e-6
+        norms = {n: e for n, e in r["grads"].items() if "q_norm" in n or "k_norm" in n}
+        assert len(norms) == 4 and max(r["grads"].values()) < 1e-6, r["grads"]
