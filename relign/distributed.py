@@ -96,10 +96,17 @@ def grad_scale() -> int:
 
 def _group(group: str):
     """The process group of ``group``: "dp" (the ranks that hold different rows; the world
-    without a mesh) or "world"."""
+    without a mesh), "dp_cp" (those and the cp ranks that hold different chunks of them: for
+    sums of per-token results under context parallel) or "world"."""
     if group == "world" or _MESH is None:
         return None
-    return _MESH.get_group(group)
+    return _MESH[group].get_group()
+
+
+def cp_group():
+    """The process group of this rank's cp ranks (the ranks that hold chunks of the same rows);
+    None when parallel.cp_size is 1."""
+    return _MESH["cp"].get_group() if _MESH is not None and _SIZES["cp"] > 1 else None
 
 
 def rank() -> int:

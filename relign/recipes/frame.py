@@ -35,6 +35,7 @@ from ..checkpoint import (
     seed_everything
 )
 from ..data.collate import StepSampler
+from ..errors import ConfigError
 from ..models.loading import resolve_device, trainable_parameters
 from ..models.precision import mixed_dtype
 from ..models.tp import apply_tp
@@ -91,6 +92,9 @@ def open(cfg: Any, recipe: str, *, check: Callable[[Any], Any] | None = None, se
     distributed.init()
     par = getattr(cfg, "parallel", None)  # the trainers' (dp, cp, tp) mesh; eval, rest and demo have none
     if par is not None:
+        if par.cp_size > 1 and recipe != "sft":
+            raise ConfigError(f"parallel.cp_size={par.cp_size}: context parallel trains sft only in this version "
+                              f"(relign {recipe} runs tensor and data parallel)")
         distributed.init_mesh(par.tp_size, par.cp_size)
     if check is not None:
         check(cfg)

@@ -224,3 +224,51 @@ def test_qwen3_plan_sums_the_per_head_norms_gradients():
         assert r["logits"] < 1e-6
         norms = {n: e for n, e in r["grads"].items() if "q_norm" in n or "k_norm" in n}
         assert len(norms) == 4 and max(r["grads"].values()) < 1e-6, r["grads"]
+
+
+def _cp_logps_and_grads(model, ids, pos) -> dict:
+    """One rank of a cp = 2 mesh: its targets' log-probs of the packed row, the backward of their
+    sum, and the parameter gradients summed over the cp ranks (what FSDP over dp x cp does)."""
+    from relign import distributed
+    from relign.models.cp import cp_token_logps, enable_ulysses
+
+    distributed.init_mesh(cp_size=2)
+    group = distributed.mesh("cp").get_group()
+    enable_ulysses(model, 2)
+    lp = cp_token_logps(model, ids, pos, group)
+    lp.sum().backward()
+    mine = (lp != 0).nonzero()[:, 1].tolist()
+    whole = lp.detach().clone()
+    dist.all_reduce(whole, group=group)
+    grads = {}
+    for n, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g, group=group)
+        grads[n] = g
+    return {"mine": mine, "logps": whole, "grads": grads}
+
+
+def test_ulysses_context_parallel_equals_one_process_across_the_chunk_boundary(tiny_model_dir):
+    """cp = 2 on 2 ranks: a packed row of 3 sequences (7, 12 and 10 tokens, 29 in all: chunks of
+    15 tokens, the second sequence crossing the boundary at 15, the row padded by one token) gives
+    one process's log-probs and gradients within 1e-5. Rank 0 scores tokens 1..15 (the 15th is
+    rank 1's first token), rank 1 tokens 16..28."""
+    from transformers import AutoModelForCausalLM
+
+    from relign.models import varlen
+    from relign.models.logprobs import token_logps
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    assert varlen.enable(model)
+    lens = [7, 12, 10]
+    ids = torch.randint(3, 200, (1, sum(lens)), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    ref = copy.deepcopy(model)
+    want, _ = token_logps(ref, ids, position_ids=pos)
+    want.sum().backward()
+    a, b = run_ranks(_cp_logps_and_grads, 2, model, ids, pos)
+    assert a["mine"] == list(range(1, 16)) and b["mine"] == list(range(16, 29))
+    for r in (a, b):
+        torch.testing.assert_close(r["logps"], want, atol=1e-5, rtol=0)
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(r["grads"][n], p.grad, atol=1e-5, rtol=1e-5, msg=n)

@@ -1,4 +1,4 @@
-"""relign.models.tp without ranks: which plan applies, and the one-line errors for sizes that cannot split."""
+"""relign.models.tp and models.cp without ranks: which plan applies, and the one-line errors for what cannot split."""
 
 from __future__ import annotations
 
@@ -53,3 +53,22 @@ def test_the_plan_is_the_models_own_decoder_entries_else_relign_table():
 
     with pytest.raises(ConfigError, match=r"^parallel.tp_size: the model's tensor-parallel plan splits layers.\*.mlp.experts as 'grouped_gemm'"):
         apply_tp(_Stack(Odd()), Mesh())
+
+
+def test_context_parallel_refuses_an_attention_it_cannot_wrap(tiny_model_dir):
+    """Ulysses wraps relign's varlen SDPA (it reads the packed row's sequences from the gathered
+    position ids); flash-attention or plain SDPA with its dense mask is refused, naming the key."""
+    from transformers import AutoModelForCausalLM
+
+    from relign.models import varlen
+    from relign.models.cp import NAME, enable_ulysses
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ConfigError, match=r"^parallel.cp_size=2 wraps relign's varlen SDPA attention \(model.attn_implementation=sdpa, "
+                                          r"packing on, a qwen2/qwen3/llama/mistral model\); it cannot wrap 'flash_attention_2'$"):
+        enable_ulysses(model, 2)
+    model.config._attn_implementation = "sdpa"
+    assert varlen.enable(model)
+    enable_ulysses(model, 2)
+    assert model.config._attn_implementation == NAME
