@@ -5,7 +5,7 @@ Each rank runs the model on its chunk of T/cp tokens: embeddings, norms, MLPs an
 see only that chunk, so their activations are 1/cp of the row's. Attention needs every earlier
 token, so before it an all-to-all swaps the sequence split for a head split, (B, H, T/cp, D) ->
 (B, H/cp, T, D), and after it the swap is reversed (DeepSpeed-Ulysses; veRL's
-``ulysses_sequence_parallel_size``). Both all-to-alls are ``torch.distributed.nn``'s autograd
+``ulysses_sequence_parallel_size``). Both all-to-alls are PyTorch's autograd
 one, so the backward swaps the gradients back. The attention between them is relign's varlen
 SDPA (``models.varlen``) on the whole row: it reads the sequences from the row's position ids,
 gathered from the chunks (each chunk's tokens keep their own position ids, so RoPE is right and
@@ -23,7 +23,7 @@ import contextvars
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from ..errors import ConfigError
 from . import varlen
@@ -33,12 +33,19 @@ NAME = "relign_ulysses"
 _ACTIVE = contextvars.ContextVar("relign_ulysses_active", default=None)  # the cp group while a chunked forward runs
 
 
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Block i of dim 0 to rank i, block i of the result from rank i; its backward is the same swap
+    of the gradients (functional collectives' autograd all-to-all)."""
+    out = all_to_all_single_autograd(x, None, None, group)
+    return out.wait() if hasattr(out, "wait") else out
+
+
 def _seq_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     """[B, H, t, D], this rank's chunk of the sequence with all heads -> [B, H/cp, cp * t, D], the
     whole sequence with this rank's heads: head block j goes to rank j, chunk i comes from rank i."""
     B, H, t, D = x.shape
     send = x.reshape(B, cp, H // cp, t, D).transpose(0, 1).contiguous()  # [cp, B, H/cp, t, D]: block j for rank j
-    got = all_to_all_single(torch.empty_like(send), send, group=group)     # [cp, B, H/cp, t, D]: chunk i from rank i
+    got = _all_to_all(send, group)     # [cp, B, H/cp, t, D]: chunk i from rank i
     return got.permute(1, 2, 0, 3, 4).reshape(B, H // cp, cp * t, D)
 
 
@@ -47,7 +54,7 @@ def _heads_to_seq(y: torch.Tensor, group, cp: int) -> torch.Tensor:
     chunk with all heads (the inverse of ``_seq_to_heads``, in the attention output's layout)."""
     B, T, h, D = y.shape
     send = y.reshape(B, cp, T // cp, h, D).transpose(0, 1).contiguous()  # [cp, B, t, H/cp, D]: chunk j for rank j
-    got = all_to_all_single(torch.empty_like(send), send, group=group)   # [cp, B, t, H/cp, D]: heads block i from rank i
+    got = _all_to_all(send, group)   # [cp, B, t, H/cp, D]: heads block i from rank i
     return got.permute(1, 2, 0, 3, 4).reshape(B, T // cp, cp * h, D)
 
 

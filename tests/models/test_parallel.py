@@ -30,7 +30,7 @@ def _tp_plan(n_layers: int) -> dict:
 def _probe(model) -> dict:
     """One rank of the probe: torch's own DTensor TP on a 2-layer Qwen2, and an autograd all-to-all."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.nn.functional import all_to_all_single
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
     from torch.distributed.tensor.parallel import parallelize_module
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -46,9 +46,10 @@ def _probe(model) -> dict:
         g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         grads[name] = (g - q.grad).abs().max().item()
     q_proj = model.model.layers[0].self_attn.q_proj.weight
-    # all_to_all_single: rank r sends x[2j:2j+2] to rank j; y = the pieces from ranks 0 and 1
+    # the autograd all-to-all models.cp uses: rank r sends x[2j:2j+2] to rank j; y = the pieces from ranks 0 and 1
     x = (torch.arange(4.0) + 10 * rank).requires_grad_()
-    y = all_to_all_single(torch.empty(4), x)
+    y = all_to_all_single_autograd(x, None, None, dist.group.WORLD)
+    y = y.wait() if hasattr(y, "wait") else y
     (y * torch.arange(4.0)).sum().backward()
     return {"logits": (out - want).abs().max().item(), "grads": grads, "local_rows": q_proj.to_local().shape[0],
             "rows": q_proj.shape[0], "y": y.tolist(), "x_grad": x.grad.tolist()}
@@ -57,7 +58,8 @@ def _probe(model) -> dict:
 def test_probe_gloo_runs_tensor_parallel_and_autograd_all_to_all():
     """What the design needs from gloo: ColwiseParallel/RowwiseParallel on q/k/v, o, gate/up,
     down give the unsharded model's logits and every parameter's gradient (each rank holds half
-    of q_proj's rows), and all_to_all_single moves pieces and their gradients back."""
+    of q_proj's rows), and the functional collectives' autograd all_to_all_single moves pieces,
+    and their gradients back. (torch.distributed.nn's all_to_all_single works too, deprecated.)"""
     from relign.models.tiny import build_tiny_model
 
     model, _ = build_tiny_model(size="micro", seed=0)
