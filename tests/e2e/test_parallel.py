@@ -59,7 +59,8 @@ def test_sft_tensor_and_context_parallel_match_one_process_and_resume_on_one_ran
     parallel.cp_size=2 (Ulysses: each packed micro-batch row split in two chunks), against one
     process on the same global batch, 2 steps: loss and grad norm per step, the updated weights
     and the AdamW moments within 1e-5. The tp checkpoints hold the whole tensors (the 1-process
-    names, shapes and dtypes), and the tp run's step-1 checkpoint resumes on one rank to its step 2.
+    names, shapes and dtypes): the tp run's step-1 checkpoint resumes on one rank to its step 2, and
+    the 1-process one under tp = 2 to the 1-process step 2.
 
     lr 3e-4: AdamW moves a weight by about lr x g / (|g| + eps) whatever the size of g, so a
     gradient entry near 0 (5e-9 here, a difference of large partial sums) whose last bits differ
@@ -83,6 +84,13 @@ def test_sft_tensor_and_context_parallel_match_one_process_and_resume_on_one_ran
     (_, b), = [s for s in _steps(resumed, keys) if s[0] == 2]
     assert a == pytest.approx(b, abs=1e-5, rel=1e-5)
     _same_tensors(_state(tp / "checkpoints" / "step_2"), _state(resumed / "checkpoints" / "step_2"))
+    # and the other way: the 1-process step-1 checkpoint resumes under tp = 2 to the 1-process step 2
+    proc = run_relign([*_args(tiny_model_dir, data, tmp_path / "tp_resumed", *common,
+                              f"resume={one / 'checkpoints' / 'step_1'}"), "parallel.tp_size=2"], ranks=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (_, a), = _steps(one, keys)[1:]
+    (_, b), = [s for s in _steps(tmp_path / "tp_resumed", keys) if s[0] == 2]
+    assert a == pytest.approx(b, abs=1e-5, rel=1e-5)
 
 
 def test_tensor_parallel_on_one_process_is_a_clear_error(tiny_model_dir, data, tmp_path):
