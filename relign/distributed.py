@@ -40,13 +40,14 @@ def init(device: torch.device | None = None) -> None:
 
 _SIZES = {"tp": 1, "cp": 1}
 _MESH: Any = None  # the (dp, cp, tp) DeviceMesh when tp * cp > 1, else None
+_DP_CP: Any = None  # its dp and cp dimensions flattened into one (FSDP's mesh), kept: torch deprecates slicing it again
 
 
 def init_mesh(tp_size: int = 1, cp_size: int = 1) -> None:
     """Lay the ranks out as a ``(dp, cp, tp)`` mesh, dp = world / (tp * cp): rank
     ``(d * cp + c) * tp + t``, so a replica's tp ranks are neighbours (on one node, where its
     all-reduces are cheapest). tp = cp = 1: no mesh, nothing changes."""
-    global _MESH
+    global _MESH, _DP_CP
     world = world_size()
     for key, n in (("parallel.tp_size", tp_size), ("parallel.cp_size", cp_size)):
         if n < 1:
@@ -55,19 +56,21 @@ def init_mesh(tp_size: int = 1, cp_size: int = 1) -> None:
         raise ConfigError(f"parallel.tp_size x parallel.cp_size = {tp_size} x {cp_size} does not divide the world size "
                           f"{world} (torchrun's --nproc_per_node x --nnodes)")
     _SIZES.update(tp=tp_size, cp=cp_size)
-    _MESH = None
+    _MESH = _DP_CP = None
     if tp_size * cp_size > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         _MESH = init_device_mesh(device, (world // (tp_size * cp_size), cp_size, tp_size), mesh_dim_names=("dp", "cp", "tp"))
-        _MESH["dp", "cp"]._flatten("dp_cp")  # FSDP's mesh: cp ranks hold the same weights and sum their gradients
+        _DP_CP = _MESH["dp", "cp"]._flatten("dp_cp")  # FSDP's mesh: cp ranks hold the same weights and sum their gradients
 
 
 def mesh(name: str = "") -> Any:
     """The mesh (``name`` empty) or its ``dp``, ``cp``, ``tp`` or ``dp_cp`` dimension; None without a mesh."""
     if _MESH is None:
         return None
+    if name == "dp_cp":
+        return _DP_CP
     return _MESH[name] if name else _MESH
 
 
@@ -100,7 +103,7 @@ def _group(group: str):
     sums of per-token results under context parallel) or "world"."""
     if group == "world" or _MESH is None:
         return None
-    return _MESH[group].get_group()
+    return mesh(group).get_group()
 
 
 def cp_group():
@@ -291,10 +294,10 @@ def at_cleanup(fn) -> None:
 
 
 def cleanup() -> None:
-    global _MESH
+    global _MESH, _DP_CP
     while _CLOSERS:
         _CLOSERS.pop()()
-    _MESH = None
+    _MESH = _DP_CP = None
     _SIZES.update(tp=1, cp=1)
     if is_initialized():
         dist.destroy_process_group()
