@@ -163,6 +163,8 @@ def _device_line(device) -> str:
 
     world = distributed.world_size()
     ranks = f" x {world} ranks" if world > 1 else ""
+    if distributed.mesh() is not None:  # parallel.tp_size / cp_size: how the ranks share the model
+        ranks += " as mesh " + " x ".join(f"{k} {v}" for k, v in distributed.mesh_shape().items())
     cpu = f" ({cpu_name()})" if str(device) == "cpu" else ""
     return f"{device}{cpu}{ranks}, {torch.get_num_threads()} CPU threads"
 

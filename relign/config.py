@@ -293,6 +293,17 @@ class CheckpointConfig:
     """Save a checkpoint at the end of training."""
 
 
+@dataclass
+class ParallelConfig:
+    """How the ranks of a torchrun launch share the model (docs/parallel.md): a (dp, cp, tp)
+    mesh, dp = world size / (tp_size x cp_size)."""
+
+    tp_size: int = 1
+    """Tensor parallel degree: each decoder layer's heads and MLP width split over this many ranks."""
+    cp_size: int = 1
+    """Context parallel degree (Ulysses): each sequence split in chunks over this many ranks."""
+
+
 # --------------------------------------------------------------------------- the fields every recipe repeats
 #
 # One level of dataclass inheritance (docs/architecture.md, "Configs"): a recipe's ``Config``
@@ -320,6 +331,7 @@ class TrainFields(RunFields):
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     resume: str = "none"
     """'auto' continues from the newest complete checkpoint in run_dir; or a checkpoint path; 'none' starts fresh."""
 

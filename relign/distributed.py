@@ -1,7 +1,15 @@
 """torchrun initialisation, FSDP2 wrapping and cross-rank reductions.
 
 Recipes learn about ranks only through this module: ``rank()``, ``world_size()``,
-``all_reduce_sum`` and ``wrap_fsdp``. Single process is the default and costs nothing.
+``data_rank()``, ``data_size()``, ``all_reduce_sum`` and ``wrap_fsdp``. Single process is the
+default and costs nothing.
+
+The ranks form one ``(dp, cp, tp)`` device mesh (``init_mesh``, from ``parallel.tp_size`` and
+``parallel.cp_size``; docs/parallel.md): the tp ranks of a model replica hold its heads and MLP
+width in shards, the cp ranks its sequences in chunks, and the dp replicas see different rows.
+Data is split by the data-parallel coordinates (``data_rank()`` of ``data_size()``), sums of
+per-row results run over the dp group, and FSDP2 shards over dp x cp. With tp = cp = 1 (the
+default) there is no mesh: the data ranks are the ranks and every group is the world, as before.
 """
 
 from __future__ import annotations
@@ -31,6 +39,80 @@ def init(device: torch.device | None = None) -> None:
     dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30))
 
 
+_SIZES = {"tp": 1, "cp": 1}
+_MESH: Any = None  # the (dp, cp, tp) DeviceMesh when tp * cp > 1, else None
+_DP_CP: Any = None  # its dp and cp dimensions flattened into one (FSDP's mesh), kept: torch deprecates slicing it again
+
+
+def init_mesh(tp_size: int = 1, cp_size: int = 1) -> None:
+    """Lay the ranks out as a ``(dp, cp, tp)`` mesh, dp = world / (tp * cp): rank
+    ``(d * cp + c) * tp + t``, so a replica's tp ranks are neighbours (on one node, where its
+    all-reduces are cheapest). tp = cp = 1: no mesh, nothing changes."""
+    global _MESH, _DP_CP
+    world = world_size()
+    for key, n in (("parallel.tp_size", tp_size), ("parallel.cp_size", cp_size)):
+        if n < 1:
+            raise ConfigError(f"bad value for {key!r}: {n}; it must be at least 1")
+    if world % (tp_size * cp_size):
+        raise ConfigError(f"parallel.tp_size x parallel.cp_size = {tp_size} x {cp_size} does not divide the world size "
+                          f"{world} (torchrun's --nproc_per_node x --nnodes)")
+    _SIZES.update(tp=tp_size, cp=cp_size)
+    _MESH = _DP_CP = None
+    if tp_size * cp_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        _MESH = init_device_mesh(device, (world // (tp_size * cp_size), cp_size, tp_size), mesh_dim_names=("dp", "cp", "tp"))
+        _DP_CP = _MESH["dp", "cp"]._flatten("dp_cp")  # FSDP's mesh: cp ranks hold the same weights and sum their gradients
+
+
+def mesh(name: str = "") -> Any:
+    """The mesh (``name`` empty) or its ``dp``, ``cp``, ``tp`` or ``dp_cp`` dimension; None without a mesh."""
+    if _MESH is None:
+        return None
+    if name == "dp_cp":
+        return _DP_CP
+    return _MESH[name] if name else _MESH
+
+
+def mesh_shape() -> dict[str, int]:
+    """``{"dp": .., "cp": .., "tp": ..}``: what ``--dry-run`` and the start banner print."""
+    return {"dp": world_size() // (_SIZES["tp"] * _SIZES["cp"]), **{k: _SIZES[k] for k in ("cp", "tp")}}
+
+
+def data_rank() -> int:
+    """This rank's data-parallel coordinate: which share of each step's rows it trains on (the
+    tp and cp ranks of one replica share its rows)."""
+    return rank() // (_SIZES["tp"] * _SIZES["cp"])
+
+
+def data_size() -> int:
+    """How many shares the rows of a step are split into: dp."""
+    return world_size() // (_SIZES["tp"] * _SIZES["cp"])
+
+
+def grad_scale() -> int:
+    """FSDP averages gradients over the ranks it shards over (dp x cp): a loss normalized by
+    global counts is multiplied by this so that the gradients sum instead. The world size
+    without a mesh."""
+    return world_size() // _SIZES["tp"]
+
+
+def _group(group: str):
+    """The process group of ``group``: "dp" (the ranks that hold different rows; the world
+    without a mesh), "dp_cp" (those and the cp ranks that hold different chunks of them: for
+    sums of per-token results under context parallel) or "world"."""
+    if group == "world" or _MESH is None:
+        return None
+    return mesh(group).get_group()
+
+
+def cp_group():
+    """The process group of this rank's cp ranks (the ranks that hold chunks of the same rows);
+    None when parallel.cp_size is 1."""
+    return _MESH["cp"].get_group() if _MESH is not None and _SIZES["cp"] > 1 else None
+
+
 def rank() -> int:
     return dist.get_rank() if is_initialized() else 0
 
@@ -47,7 +129,7 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, op, group=None) -> torch.Tensor:
     if not is_initialized():
         return t
     out = t.detach().clone()
@@ -56,13 +138,20 @@ def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
     if moved:
         out = out.cuda()
     with watchdog.waiting("a collective (all_reduce) with the other ranks"):
-        dist.all_reduce(out, op=op)
+        dist.all_reduce(out, op=op, group=group)
     return out.to(t.device) if moved else out
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks (returns a new tensor; identity on one process)."""
-    return _all_reduce(t, dist.ReduceOp.SUM) if is_initialized() else t
+def all_reduce_sum(t: torch.Tensor, group: str = "dp") -> torch.Tensor:
+    """Sum over the data-parallel ranks (``group="world"``: over all ranks); a new tensor,
+    identity on one process. The tp ranks of a replica compute the same per-row results, so a
+    sum of those runs over dp, once per replica."""
+    return _all_reduce(t, dist.ReduceOp.SUM, _group(group)) if is_initialized() else t
+
+
+def all_reduce_in(t: torch.Tensor, group) -> torch.Tensor:
+    """Sum over the ranks of a process group (a mesh dimension's ``get_group()``)."""
+    return _all_reduce(t, dist.ReduceOp.SUM, group) if is_initialized() else t
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
@@ -88,14 +177,16 @@ def barrier() -> None:
             dist.barrier()
 
 
-def all_gather_object(obj):
-    """Every rank's ``obj``, in rank order (``[obj]`` on one process). For small Python data:
-    the rollout groups of a step (token ids, rewards), not tensors of activations."""
+def all_gather_object(obj, group: str = "world"):
+    """Every rank's ``obj``, in rank order (``[obj]`` on one process); ``group="dp"``: one per
+    data-parallel replica, in dp order. For small Python data: the rollout groups of a step
+    (token ids, rewards), not tensors of activations."""
     if not is_initialized():
         return [obj]
-    out = [None] * world_size()
+    pg = _group(group)
+    out = [None] * (world_size() if pg is None else dist.get_world_size(pg))
     with watchdog.waiting("a collective (all_gather_object) with the other ranks"):
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=pg)
     return out
 
 
@@ -142,7 +233,8 @@ def wrap_fsdp(model: torch.nn.Module, mixed: torch.dtype | None = None) -> torch
 
     No-op on a single process. Parameters become DTensors; gradients are reduce-scattered,
     which averages them over ranks. Recipes normalize losses by global counts and multiply
-    the loss by the world size to turn that average back into the global sum. Every rank
+    the loss by ``grad_scale()`` (the world size without a mesh) to turn that average back
+    into the global sum. Every rank
     must then run the same number of forward and backward passes (each one all-gathers the
     layers' parameters).
     """
@@ -151,6 +243,9 @@ def wrap_fsdp(model: torch.nn.Module, mixed: torch.dtype | None = None) -> torch
     from torch.distributed.fsdp import fully_shard
 
     classes = _layer_classes(model)
+    # on a (dp, cp, tp) mesh: over dp x cp, the ranks that hold the same weights (a tp-sharded
+    # weight is a DTensor on the tp dimension; FSDP shards it further, 2-D); the world otherwise
+    where = {"mesh": mesh("dp_cp")} if _MESH is not None else {}
     policy = _mixed_precision_policy(mixed)
     layers = [m for m in model.modules() if m is not model and type(m).__name__ in classes]
     for layer in layers:
@@ -158,9 +253,9 @@ def wrap_fsdp(model: torch.nn.Module, mixed: torch.dtype | None = None) -> torch
             for sub in layer.modules():
                 owns = next(sub.parameters(recurse=False), None) is not None
                 if sub is not layer and owns and not isinstance(sub, torch.nn.Linear):
-                    fully_shard(sub)
-        fully_shard(layer, **policy)
-    fully_shard(model)
+                    fully_shard(sub, **where)
+        fully_shard(layer, **policy, **where)
+    fully_shard(model, **where)
     return model
 
 
@@ -203,7 +298,10 @@ def at_cleanup(fn) -> None:
 
 
 def cleanup() -> None:
+    global _MESH, _DP_CP
     while _CLOSERS:
         _CLOSERS.pop()()
+    _MESH = _DP_CP = None
+    _SIZES.update(tp=1, cp=1)
     if is_initialized():
         dist.destroy_process_group()

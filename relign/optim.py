@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import Replicate
 
 from . import distributed
 from .config import SCHEDULES
@@ -69,11 +70,53 @@ def clip_gradients(params, max_norm: float) -> float:
     params = [p for p in params if p.grad is not None]
     if not params:
         return 0.0
+    if distributed.mesh() is not None:
+        return _clip_on_mesh(params, max_norm)
     norms = [torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float64) for p in params]
     total = torch.linalg.vector_norm(torch.stack(norms), 2.0).float()  # a DTensor under FSDP
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+
+
+def grad_norm_on_mesh(grads) -> torch.Tensor:
+    """The global 2-norm (float64) of gradients with mixed placements on a device mesh: tp-sharded
+    weights (DTensors on tp, and on dp x cp under FSDP too), FSDP-sharded replicated weights
+    (DTensors on dp x cp only) and plain tensors (replicated on every rank).
+
+    sum_p ||g_p||^2, each term summed over exactly the mesh dimensions its tensor is sharded on:
+    a shard's squares once per shard, and a replicated tensor's squares once, not once per rank
+    that holds a copy. Stacking the per-parameter DTensor norms, as one flat FSDP mesh allows,
+    fails here: the norms live on different meshes."""
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        local, groups = g, ()
+        if hasattr(g, "to_local"):
+            if any(pl.is_partial() for pl in g.placements):  # unreduced partial sums: reduce them first
+                g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl
+                                               for pl in g.placements])
+            local = g.to_local()
+            # every split dimension: Shard, and FSDP's _StridedShard over tp's Shard (not a Shard subclass)
+            groups = tuple(g.device_mesh.get_group(d) for d, pl in enumerate(g.placements) if not pl.is_replicate())
+        buckets.setdefault(groups, []).append(torch.linalg.vector_norm(local, 2.0, dtype=torch.float64).square())
+    total = torch.zeros((), dtype=torch.float64)
+    for groups, squares in buckets.items():
+        part = torch.stack(squares).sum().cpu()
+        for group in groups:  # a sum over one mesh dimension, then the next: over all the shards
+            part = distributed.all_reduce_in(part, group)
+        total = total + part
+    return total.sqrt()
+
+
+def _clip_on_mesh(params, max_norm: float) -> float:
+    """``clip_gradients`` on a (dp, cp, tp) mesh: the norm by ``grad_norm_on_mesh``, every gradient
+    scaled in place by min(1, max_norm / (norm + 1e-6)), as ``clip_grads_with_norm_`` scales."""
+    total = grad_norm_on_mesh([p.grad for p in params]).float()
+    if max_norm > 0:
+        coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        for p in params:
+            p.grad.mul_(coef)
+    return float(total)
 
 
 def build_training(model, o, total_steps: int):

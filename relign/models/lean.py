@@ -36,6 +36,7 @@ import types
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+from torch.distributed.tensor import DTensor
 
 _SILU = ("SiLU", "SiLUActivation")
 # norms whose forward is exactly RMSNorm.forward's (Gemma's (1 + w) and OLMo-2's order differ)
@@ -118,8 +119,11 @@ def _outer(grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
 
 def _exact(mlp: torch.nn.Module) -> bool:
     """The replacement computes exactly what this MLP's own forward does."""
+    projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    # a tensor-parallel MLP (relign.models.tp) has DTensor weights whose modules' hooks lay its
+    # input and output out over the tp ranks: calling F.linear on the weights would skip them
     return (type(mlp.act_fn).__name__ in _SILU
-            and all(type(p) is torch.nn.Linear and p.bias is None for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)))
+            and all(type(p) is torch.nn.Linear and p.bias is None and not isinstance(p.weight, DTensor) for p in projections))
 
 
 def _lean_forward(self, x):

@@ -130,6 +130,9 @@ def _mask(*args, attention_mask=None, q_length=None, kv_length=None, q_offset=0,
                      **kwargs)
 
 
+packed_mask = _mask  # the mask function of an attention that reads packed rows (models.cp registers it too)
+
+
 def supported(model) -> str | None:
     """None when ``enable`` applies to this model, else why not."""
     cfg = getattr(model, "config", None)

@@ -35,8 +35,10 @@ from ..checkpoint import (
     seed_everything
 )
 from ..data.collate import StepSampler
+from ..errors import ConfigError
 from ..models.loading import resolve_device, trainable_parameters
 from ..models.precision import mixed_dtype
+from ..models.tp import apply_tp
 from ..optim import build_training, clip_gradients
 from ..rundir import open_run
 from ..tracking import Tracker, read_metrics
@@ -55,11 +57,13 @@ class Run:
 
     @property
     def rank(self) -> int:
-        return distributed.rank()
+        """This rank's share of each step's rows: its data-parallel coordinate."""
+        return distributed.data_rank()
 
     @property
     def world(self) -> int:
-        return distributed.world_size()
+        """How many shares the rows are split into: the data-parallel size (the world size without a mesh)."""
+        return distributed.data_size()
 
 
 @dataclass
@@ -86,6 +90,12 @@ def open(cfg: Any, recipe: str, *, check: Callable[[Any], Any] | None = None, se
     (a fresh one unless resuming the same run: ``relign.rundir``). A collective under torchrun."""
     t_start = time.perf_counter()
     distributed.init()
+    par = getattr(cfg, "parallel", None)  # the trainers' (dp, cp, tp) mesh; eval, rest and demo have none
+    if par is not None:
+        if par.cp_size > 1 and recipe != "sft":
+            raise ConfigError(f"parallel.cp_size={par.cp_size}: context parallel trains sft only in this version "
+                              f"(relign {recipe} runs tensor and data parallel)")
+        distributed.init_mesh(par.tp_size, par.cp_size)
     if check is not None:
         check(cfg)
     device = resolve_device(cfg.device)
@@ -100,7 +110,12 @@ def checkpoint_to_resume(run: Run) -> Path | None:
 
 
 def shard(model: torch.nn.Module) -> torch.nn.Module:
-    """FSDP2 over the ranks (a no-op on one process), gathering a mixed-precision model's weights in its compute dtype."""
+    """Tensor parallel over the mesh's tp ranks (``parallel.tp_size`` > 1), then FSDP2 over the
+    data-parallel ranks (a no-op on one process), gathering a mixed-precision model's weights in
+    its compute dtype."""
+    tp_mesh = distributed.mesh("tp")
+    if tp_mesh is not None and tp_mesh.size() > 1:
+        apply_tp(model, tp_mesh)
     return distributed.wrap_fsdp(model, mixed_dtype(model))
 
 

@@ -118,7 +118,7 @@ def _check(cfg: Config) -> None:
     check_positive(cfg, "batch_size", "micro_batch_size", "eval_batch_size", "epochs", "beta", "kto_desirable_weight",
                    "kto_undesirable_weight")
     check_non_negative(cfg, "max_steps", "eval_every", "dpop_lambda", "simpo_gamma", "orpo_lambda")
-    check_divides(cfg, "batch_size", "micro_batch_size", distributed.world_size())
+    check_divides(cfg, "batch_size", "micro_batch_size", distributed.data_size())
     check_common(cfg)
     check_choice("loss", cfg.loss, LOSSES)
     check_choice("reference", cfg.reference, ("precompute", "online"))
@@ -195,7 +195,7 @@ def score_examples(model, examples: list, *, paired: bool, batch_size: int, pad_
                    packed: bool = False, progress: bool = False, desc: str = "reference log-probs") -> torch.Tensor:
     """Summed log-probs of every example ([N, 2] chosen/rejected for pairs, [N] otherwise),
     this rank computing its strided share and the ranks summing the results."""
-    rank, world = distributed.rank(), distributed.world_size()
+    rank, world = distributed.data_rank(), distributed.data_size()
     n = len(examples)
     out = torch.zeros((n, 2) if paired else (n,), device=device)
     was_training = model.training
@@ -411,7 +411,7 @@ def evaluate(losses: PairLosses | KtoLosses, *, batch_size: int, progress: bool,
     """eval/* over this rank's share of the eval set, averaged over all ranks."""
     eval_set, policy = losses.sets["eval"], losses.policy
     policy.eval()
-    mine = shard(list(range(len(eval_set))), distributed.rank(), distributed.world_size())
+    mine = shard(list(range(len(eval_set))), distributed.data_rank(), distributed.data_size())
     ctx = losses.prepare("eval", mine)
     sums: dict[str, torch.Tensor] = {}
     parts = distributed.lockstep(list(chunks(by_positions(eval_set, mine, share_prompt=losses.share), batch_size)), filler=[0])
@@ -483,7 +483,7 @@ def train(cfg: Config) -> RunResult:
             per_pair, met, ntok = losses.of("train", part, z0)
             # one normalizer for the whole step on every rank: the summed gradient is that of
             # the mean loss over the global batch (x world: FSDP averages gradients over ranks)
-            (per_pair.sum() / cfg.batch_size * run.world).backward()
+            (per_pair.sum() / cfg.batch_size * distributed.grad_scale()).backward()
             tokens += ntok
             add_sums(sums, {"loss_sum": per_pair, **met})
         step_metrics = frame.optimizer_step(t, cfg.optim.max_grad_norm)

@@ -51,7 +51,7 @@ def _check(cfg: Config) -> None:
     """Every setting that cannot work, before any data or model is read."""
     check_positive(cfg, "batch_size", "micro_batch_size", "eval_batch_size", "epochs")
     check_non_negative(cfg, "max_steps", "eval_every", "center_coef")
-    check_divides(cfg, "batch_size", "micro_batch_size", distributed.world_size())
+    check_divides(cfg, "batch_size", "micro_batch_size", distributed.data_size())
     check_common(cfg)
     check_choice("data.truncation", cfg.data.truncation, TRUNCATION)
     if not cfg.data.path:
@@ -85,7 +85,7 @@ class PairLosses:
     def evaluate(self, eval_set) -> dict[str, float]:
         """eval/* over this rank's share of the held-out pairs, averaged over all ranks."""
         self.model.eval()
-        mine = shard(list(range(len(eval_set))), distributed.rank(), distributed.world_size())
+        mine = shard(list(range(len(eval_set))), distributed.data_rank(), distributed.data_size())
         sums: dict[str, torch.Tensor] = {}
         parts = distributed.lockstep(list(chunks(mine, self.cfg.eval_batch_size)), filler=[0])
         with banner.progress(len(parts), "rm eval", enabled=self.cfg.logging.progress, leave=False, delay=3.0) as bar:
@@ -123,7 +123,7 @@ def train(cfg: Config) -> RunResult:
         sums: dict[str, torch.Tensor] = {}
         for part in chunks(mine, cfg.micro_batch_size):
             per_pair, met = losses.of(part, train_set)
-            (per_pair.sum() / cfg.batch_size * run.world).backward()  # mean over the global batch
+            (per_pair.sum() / cfg.batch_size * distributed.grad_scale()).backward()  # mean over the global batch
             add_sums(sums, {"loss": per_pair, **met})
         step_metrics = frame.optimizer_step(t, cfg.optim.max_grad_norm)
         seconds = time.perf_counter() - t0

@@ -124,7 +124,7 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
     engine = build.engine_for(ro.engine, policy, tok, max_batch_rows=ro.max_batch_rows, seed=cfg.seed, m=m, vllm=ro.vllm,
                               fast_decode=ro.fast_decode, own_copy=ro.overlap == "thread",
                               max_model_len=t.max_prompt_length + (ro.max_response_tokens or ro.max_new_tokens * ro.max_turns),
-                              rows=max(1, cfg.prompts_per_step // distributed.world_size()) * ro.n)
+                              rows=max(1, cfg.prompts_per_step // distributed.data_size()) * ro.n)
     collector = build.collector_for(task, t, ro, cfg.reward, tok, engine, m=m, device=run.device, seed=cfg.seed)
     banner.start("rl", cfg, model=policy, **_facts(cfg, collector, run))
     # ---- optimizer: the schedule counts every planned update, ppo_epochs x mini_batches per step

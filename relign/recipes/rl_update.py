@@ -120,8 +120,8 @@ def plan(batch: RolloutBatch, rows: torch.Tensor, layout: Layout) -> list[MicroB
     else:
         sizes = (prompt + G * resp.amax(-1)).tolist()
     max_items = max(1, layout.max_rows // G) if layout.max_rows else 0
-    mine = micro_batch_plan(sizes, ranks=distributed.world_size(), max_tokens=layout.max_tokens, max_items=max_items)
-    mine = mine[distributed.rank()]
+    mine = micro_batch_plan(sizes, ranks=distributed.data_size(), max_tokens=layout.max_tokens, max_items=max_items)
+    mine = mine[distributed.data_rank()]
     smallest = min(range(len(sizes)), key=lambda i: (sizes[i], i))
     out = [MicroBatch(items[part].flatten()) if part else MicroBatch(items[smallest], weight=0.0) for part in mine]
     if G > 1 and layout.max_rows and G > layout.max_rows:
@@ -400,7 +400,7 @@ def update_policy(policy, optimizer, scheduler, params, batch: RolloutBatch, min
     under a group baseline, and no KL or entropy term) are not run; the normalizer still counts
     them, so the update is the same. Returns the metrics and the number of updates skipped by
     the NaN guard."""
-    mask, world = batch.response_mask, distributed.world_size()
+    mask, scale = batch.response_mask, distributed.grad_scale()
     stats, skipped = Stats(), 0
     inert = loss_fn.inert_rows(advantages, mask)
     stats.add("actor/zero_adv_frac", float(inert.float().mean()) if len(inert) else 0.0)
@@ -433,7 +433,7 @@ def update_policy(policy, optimizer, scheduler, params, batch: RolloutBatch, min
                 loss = loss + loss_fn.kl_coef * aggregate(info["kl_loss"], mb_mask, loss_fn.kl_agg, kl_normalizer,
                                                           max_len=loss_fn.max_len)
             loss = loss * m.weight
-            (loss * world).backward()  # FSDP averages gradients over ranks: make it their sum
+            (loss * scale).backward()  # FSDP averages gradients over its ranks (dp x cp): make it their sum
             if m.last_part:  # the group's prompt: its backward, once
                 prefix.finish()
             loss_sum += loss.detach().double()
@@ -457,7 +457,7 @@ def update_policy(policy, optimizer, scheduler, params, batch: RolloutBatch, min
 def update_critic(critic, optimizer, params, batch: RolloutBatch, mini_batches: list[torch.Tensor], layout: Layout, *,
                   old_values, returns, value_clip: float = 0.0, max_grad_norm: float = 1.0) -> Stats:
     """One critic step per mini-batch: the (clipped) value loss, token-mean over the mini-batch."""
-    mask, world = batch.response_mask, distributed.world_size()
+    mask, scale = batch.response_mask, distributed.grad_scale()
     stats = Stats()
     for b_rows in mini_batches:
         if len(b_rows) == 0:
@@ -468,7 +468,7 @@ def update_critic(critic, optimizer, params, batch: RolloutBatch, mini_batches: 
             v = forward_values(critic, batch, m.rows, layout)
             vl = value_loss(v, old_values[m.rows], returns[m.rows], clip=value_clip or None)
             loss = aggregate(vl, mask[m.rows], "token-mean", normalizer) * m.weight
-            (loss * world).backward()
+            (loss * scale).backward()
             loss_sum += loss.detach().double()
         loss_total = float(distributed.all_reduce_sum(loss_sum))
         stats.add("critic/value_loss", loss_total)

@@ -28,6 +28,7 @@ from ..config import BatchFields, ConfigError, DataConfig, OptimConfig
 from ..data.collate import chunks, pack_collate, pad_collate, shard, to_device
 from ..data.sft import TRUNCATION, SFTExample, build_sft_examples
 from ..data.stats import announce
+from ..models.cp import cp_token_logps, enable_ulysses
 from ..models.loading import load_model_tokenizer
 from ..models.logprobs import token_logps
 from ..models.varlen import packed_attention
@@ -50,13 +51,15 @@ def _check(cfg: Config) -> None:
     """Every setting that cannot work, before any data or model is read."""
     check_positive(cfg, "batch_size", "micro_batch_size", "eval_batch_size", "epochs")
     check_non_negative(cfg, "max_steps", "eval_every")  # max_steps 0 = epochs x steps per epoch
-    check_divides(cfg, "batch_size", "micro_batch_size", distributed.world_size())
+    check_divides(cfg, "batch_size", "micro_batch_size", distributed.data_size())
     check_common(cfg)
     check_choice("loss_agg", cfg.loss_agg, [m for m in MODES if m in ("token-mean", "seq-mean-token-mean")])
     check_choice("data.truncation", cfg.data.truncation, TRUNCATION)
     if not cfg.data.path:
         raise ConfigError("missing value for 'data.path': give a data file, a dataset folder or a hub id")
     check_model_path("model.path", cfg.model.path)
+    if cfg.parallel.cp_size > 1 and not cfg.packing:
+        raise ConfigError(f"parallel.cp_size={cfg.parallel.cp_size} splits packed rows over the cp ranks: set packing=true")
 
 
 def _collate(examples: list[SFTExample], packing: bool, pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -64,7 +67,9 @@ def _collate(examples: list[SFTExample], packing: bool, pad_id: int, device) -> 
     return to_device(batch, device)
 
 
-def _forward(model, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+def _forward(model, mb: dict[str, torch.Tensor], cp_group=None) -> torch.Tensor:
+    if cp_group is not None:  # parallel.cp_size > 1: this rank's chunk of the packed row (models.cp)
+        return cp_token_logps(model, mb["input_ids"], mb["position_ids"], cp_group) * mb["loss_mask"]
     logps, _ = token_logps(
         model, mb["input_ids"], attention_mask=mb.get("attention_mask"), position_ids=mb.get("position_ids"),
         target_mask=mb["loss_mask"],
@@ -112,13 +117,13 @@ def accumulate_gradients(
     micro = [_collate(group, packing, pad_id, device) for group in chunks(examples, micro_batch_size)]
     count = sum(aggregate_count(mb["loss_mask"], loss_agg, segment_ids=mb["segment_ids"]) for mb in micro)
     normalizer = distributed.all_reduce_sum(count)
-    world = distributed.world_size()
+    scale, cp_group = distributed.grad_scale(), distributed.cp_group()
     loss_sum = torch.zeros((), device=device)
     for mb in micro:
-        logps = _forward(model, mb)  # [B, T]
+        logps = _forward(model, mb, cp_group)  # [B, T]; under context parallel, only this rank's chunk's targets
         loss = aggregate(-logps, mb["loss_mask"], loss_agg, normalizer, segment_ids=mb["segment_ids"])
         # FSDP averages gradients over ranks; scale so that they sum instead (N is global).
-        (loss * world).backward()
+        (loss * scale).backward()
         loss_sum += loss.detach()
     return loss_sum
 
@@ -129,7 +134,7 @@ def evaluate_loss(model, examples: list[SFTExample], *, batch_size: int, pad_id:
     """Token-mean negative log-likelihood over this rank's share of ``examples``, summed over ranks."""
     was_training = model.training
     model.eval()
-    mine = shard(examples, distributed.rank(), distributed.world_size())
+    mine = shard(examples, distributed.data_rank(), distributed.data_size())
     nll = torch.zeros((), device=device)
     count = torch.zeros((), device=device)
     groups = distributed.lockstep(list(chunks(mine, batch_size)), filler=examples[:1])
@@ -161,6 +166,8 @@ def train(cfg: Config, *, desc: str = "sft") -> RunResult:
     model = build.load_policy(m, run.device)
     if cfg.packing:
         packed_attention(model, m.attn_implementation)
+    if cfg.parallel.cp_size > 1:
+        enable_ulysses(model, cfg.parallel.cp_size)
     banner.start("sft", cfg, model=model, **facts)  # parameters counted before FSDP shards them
     t = frame.trainable(run, model, ckpt=frame.checkpoint_to_resume(run), rows=len(train_set), batch_size=cfg.batch_size,
                         total_steps=total_steps)
@@ -174,7 +181,9 @@ def train(cfg: Config, *, desc: str = "sft") -> RunResult:
         mine = [train_set[i] for i in shard(t.sampler.next(), run.rank, run.world)]
         loss_sum = accumulate_gradients(t.model, mine, micro_batch_size=cfg.micro_batch_size, packing=cfg.packing,
                                         loss_agg=cfg.loss_agg, pad_id=tok.pad_token_id, device=run.device)
-        metrics = {"train/loss": distributed.all_reduce_sum(loss_sum).item(), **frame.optimizer_step(t, o.max_grad_norm)}
+        # each cp rank's loss covers its chunks' tokens: the step's loss sums over dp and cp
+        metrics = {"train/loss": distributed.all_reduce_sum(loss_sum, group="dp_cp").item(),
+                   **frame.optimizer_step(t, o.max_grad_norm)}
         tokens = distributed.all_reduce_sum(torch.tensor(float(sum(len(e) for e in mine)), device=run.device)).item()
         seconds = time.perf_counter() - t0
         metrics.update({"train/epoch": frame.epoch(t), "perf/tokens": tokens, "perf/tokens_per_s": tokens / max(seconds, 1e-9),

@@ -1,0 +1,140 @@
+"""Context parallelism, Ulysses-style (``parallel.cp_size``; docs/parallel.md): a packed row split
+in contiguous chunks over the cp ranks, attention run over the whole row with the heads split.
+
+Each rank runs the model on its chunk of T/cp tokens: embeddings, norms, MLPs and the LM head
+see only that chunk, so their activations are 1/cp of the row's. Attention needs every earlier
+token, so before it an all-to-all swaps the sequence split for a head split, (B, H, T/cp, D) ->
+(B, H/cp, T, D), and after it the swap is reversed (DeepSpeed-Ulysses; veRL's
+``ulysses_sequence_parallel_size``). Both all-to-alls are PyTorch's autograd
+one, so the backward swaps the gradients back. The attention between them is relign's varlen
+SDPA (``models.varlen``) on the whole row: it reads the sequences from the row's position ids,
+gathered from the chunks (each chunk's tokens keep their own position ids, so RoPE is right and
+a sequence may cross a chunk boundary). PyTorch's ``context_parallel`` is not used: it intercepts
+only the CUDA SDPA kernels (specs/parallel.md).
+
+Ulysses runs only inside ``chunked(...)`` (``cp_token_logps``); any other forward of the model
+(evaluation, generation) runs on whole rows as before, each cp rank computing the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from ..errors import ConfigError
+from . import varlen
+from .logprobs import selective_log_softmax
+
+NAME = "relign_ulysses"
+_ACTIVE = contextvars.ContextVar("relign_ulysses_active", default=None)  # the cp group while a chunked forward runs
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Block i of dim 0 to rank i, block i of the result from rank i; its backward is the same swap
+    of the gradients (functional collectives' autograd all-to-all)."""
+    out = all_to_all_single_autograd(x, None, None, group)
+    return out.wait() if hasattr(out, "wait") else out
+
+
+def _seq_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """[B, H, t, D], this rank's chunk of the sequence with all heads -> [B, H/cp, cp * t, D], the
+    whole sequence with this rank's heads: head block j goes to rank j, chunk i comes from rank i."""
+    B, H, t, D = x.shape
+    send = x.reshape(B, cp, H // cp, t, D).transpose(0, 1).contiguous()  # [cp, B, H/cp, t, D]: block j for rank j
+    got = _all_to_all(send, group)     # [cp, B, H/cp, t, D]: chunk i from rank i
+    return got.permute(1, 2, 0, 3, 4).reshape(B, H // cp, cp * t, D)
+
+
+def _heads_to_seq(y: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """[B, T, H/cp, D], the whole sequence with this rank's heads -> [B, T/cp, H, D], this rank's
+    chunk with all heads (the inverse of ``_seq_to_heads``, in the attention output's layout)."""
+    B, T, h, D = y.shape
+    send = y.reshape(B, cp, T // cp, h, D).transpose(0, 1).contiguous()  # [cp, B, t, H/cp, D]: chunk j for rank j
+    got = _all_to_all(send, group)   # [cp, B, t, H/cp, D]: heads block i from rank i
+    return got.permute(1, 2, 0, 3, 4).reshape(B, T // cp, cp * h, D)
+
+
+def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' attention-function interface (query [B, H, t, D], key/value [B, H_kv, t, D]
+    -> ([B, t, H, D], None)); outside ``chunked`` it is varlen SDPA as it is."""
+    group = _ACTIVE.get()
+    if group is None:
+        return varlen.varlen_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+    cp = dist.get_world_size(group)
+    pos = kwargs.get("position_ids")
+    if attention_mask is not None or pos is None:
+        raise RuntimeError("context parallel attention runs packed rows only: position ids and no attention mask")
+    pieces = [torch.empty_like(pos) for _ in range(cp)]
+    dist.all_gather(pieces, pos.contiguous(), group=group)  # the whole row's position ids: its sequence boundaries
+    kwargs["position_ids"] = torch.cat(pieces, dim=-1)
+    q, k, v = (_seq_to_heads(x, group, cp) for x in (query, key, value))
+    out, _ = varlen.varlen_sdpa_attention(module, q, k, v, None, **kwargs)  # [B, T, H/cp, D]
+    return _heads_to_seq(out, group, cp), None
+
+
+def enable_ulysses(model, cp_size: int) -> None:
+    """Route ``model``'s attention through ``ulysses_attention``. It wraps relign's varlen SDPA
+    (``varlen.enable`` first); any other kernel is refused with the key to change."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl == NAME:
+        return
+    if impl != varlen.NAME:
+        raise ConfigError(f"parallel.cp_size={cp_size} wraps relign's varlen SDPA attention (model.attn_implementation=sdpa, "
+                          f"packing on, a {'/'.join(varlen.SUPPORTED)} model); it cannot wrap {impl!r}")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    for heads in ("num_attention_heads", "num_key_value_heads"):
+        n = getattr(model.config, heads, None)
+        if n is not None and n % cp_size:
+            raise ConfigError(f"parallel.cp_size={cp_size} does not divide the model's {n} {heads}")
+    AttentionInterface.register(NAME, ulysses_attention)
+    AttentionMaskInterface.register(NAME, varlen.packed_mask)
+    model.config._attn_implementation = NAME
+
+
+@contextlib.contextmanager
+def chunked(group):
+    """Forwards inside run on this rank's chunk of each row, attention over the whole row."""
+    token = _ACTIVE.set(group)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def chunk_bounds(T: int, cp: int, c: int) -> tuple[int, int, int]:
+    """(padded length, start, end) of chunk ``c`` of a row of T tokens padded to a multiple of cp."""
+    n = -(-T // cp)
+    return n * cp, c * n, (c + 1) * n
+
+
+def cp_token_logps(model, input_ids: torch.Tensor, position_ids: torch.Tensor, group, *,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """log p(x_t | x_<t) [B, T] of packed rows (``token_logps``'s convention: column t scores token
+    t) at the targets this cp rank scores, 0 at the others': the rank runs its chunk [a, e) of
+    each row, whose logits score tokens a + 1 .. e, the last being the next chunk's first token
+    (every rank holds the whole row's ids, so no exchange is needed for it). Summed over the cp
+    ranks this is the whole row's log-probs, and the sum of the ranks' losses backpropagates to
+    the whole row's gradient (the attention all-to-alls carry each token's key and value
+    gradients back to its rank). A row not a multiple of cp long is padded at its end with a
+    sequence of its own (position ids from 0), which no real token attends to."""
+    cp, c = dist.get_world_size(group), dist.get_rank(group)
+    B, T = input_ids.shape
+    Tp, a, e = chunk_bounds(T, cp, c)
+    if Tp > T:
+        pad = Tp - T
+        input_ids = torch.cat([input_ids, input_ids.new_zeros(B, pad)], dim=1)
+        position_ids = torch.cat([position_ids, torch.arange(pad, device=position_ids.device).expand(B, pad)], dim=1)
+    with chunked(group):
+        logits = model(input_ids=input_ids[:, a:e], position_ids=position_ids[:, a:e], use_cache=False).logits
+    last = min(e, T - 1)  # the targets a + 1 .. last exist in the row
+    out = torch.zeros(B, T, dtype=torch.float32, device=input_ids.device)
+    if last > a:
+        lp = selective_log_softmax(logits[:, : last - a], input_ids[:, a + 1 : last + 1], temperature=temperature)
+        out = out.index_copy(1, torch.arange(a + 1, last + 1, device=out.device), lp)
+    return out
