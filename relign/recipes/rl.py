@@ -134,7 +134,8 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
         groups = collector.collect(tr.sampler, cfg.prompts_per_step, a.dynamic_sampling, a.max_sampling_rounds)
         return groups, dict(collector.last)
 
-    ahead = RolloutAhead(collect, depth=ro.max_staleness, max_steps=cfg.max_steps, overlap=ro.overlap == "thread")
+    ahead = RolloutAhead(collect, depth=ro.max_staleness, max_steps=cfg.max_steps, overlap=ro.overlap == "thread",
+                         threads=ro.overlap_threads)
     if ckpt is not None:
         tensors, _ = load_checkpoint(ckpt, restore_rng=False)
         engine.load_state_dict(tensors["engine"])

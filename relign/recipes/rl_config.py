@@ -46,6 +46,10 @@ class RolloutConfig(SamplingConfig):
     overlap: str = "none"
     """none: the next batch is sampled before the update, in turn; thread: in a background thread on the engine's own
     weight copy while the main thread trains (needs max_staleness >= 1; one process only). Same results either way."""
+    overlap_threads: int = 1
+    """overlap=thread: intra-op threads of the sampling thread (0 = torch's default, as the trainer's). Decoding
+    gains little from a second thread, and two full OpenMP teams on the same cores stall each other: on 2 CPU
+    cores 1 made the overlapped step 1.5x faster than sampling in turn, torch's default 3x slower (BENCHMARKS.md)."""
     sync_check_tol: float = 0.1
     """After every weight sync to an engine that holds its own copy (torchrun replica, vLLM, overlap=thread), the
     engine and the trainer score a fixed probe batch; a mean |log-prob gap| above this stops the run (0 = off)."""
@@ -240,7 +244,7 @@ def check_counts(cfg: Config) -> None:
                    "rollout.max_turns", "rollout.max_batch_rows", "rollout.top_p", "task.max_prompt_length",
                    "task.reward_timeout", "algorithm.ppo_epochs", "algorithm.mini_batches", "algorithm.max_sampling_rounds",
                    "reward.batch_size", "reward.max_length", "critic.lr")
-    check_non_negative(cfg, "max_seconds", "max_tokens_per_micro", "micro_batch_size", "traces_per_step", "rollout.top_k",
+    check_non_negative(cfg, "max_seconds", "max_tokens_per_micro", "micro_batch_size", "traces_per_step", "rollout.top_k", "rollout.overlap_threads",
                        "rollout.max_response_tokens", "rollout.min_new_tokens", "task.max_rows", "task.reward_workers",
                        "task.format_weight", "algorithm.clip_low", "algorithm.clip_high", "algorithm.kl_coef",
                        "algorithm.entropy_coef", "algorithm.kl_clamp", "algorithm.tis_cap", "algorithm.overlong_cache",

@@ -17,6 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from .. import watchdog
 from .collect import Group
 from .multiturn import Episode
@@ -67,8 +69,10 @@ class RolloutAhead:
     Both sample the same batches with the same weights, so they give the same results.
     """
 
-    def __init__(self, collect, *, depth: int, max_steps: int, overlap: bool = False):
+    def __init__(self, collect, *, depth: int, max_steps: int, overlap: bool = False, threads: int = 0):
         self.collect, self.depth, self.max_steps, self.overlap = collect, depth, max_steps, overlap
+        self.threads = threads
+        """Intra-op threads of the background thread (0: torch's default); set in that thread only."""
         self.queue: deque[Sampled] = deque()
         self.sampled_now: list[Sampled] = []
         """The batches sampled during the last ``take`` / ``join`` (their time is this step's rollout time)."""
@@ -110,6 +114,8 @@ class RolloutAhead:
             into.append(Sampled(groups, version, stats))
 
     def _background(self, n: int, version: int) -> None:
+        if self.threads:  # OpenMP's thread count is per calling thread: the trainer's stays as it is
+            torch.set_num_threads(self.threads)
         try:
             self._sample(n, version, self._result)
         except BaseException as e:  # re-raised in the main thread by join()
