@@ -203,6 +203,8 @@ class TaskConfig:
     """Answer equivalence 'file.py:function' (a, b) -> bool for maj@k (empty: the task's own, else string equality)."""
     answer_format: str = "boxed"
     """math: what counts as an answer: boxed (only \\boxed{}, what RL trains), boxed_or_final or any (eval; docs/tasks.md)."""
+    features: dict[str, float] = field(default_factory=dict)
+    """calibration: room -> q, the probability its hidden answer is 'left' (empty: red 0.2, blue 0.8; docs/calibration.md)."""
 
 
 @dataclass

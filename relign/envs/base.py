@@ -180,6 +180,8 @@ class Task:
     generate_spec: str | None = None
     """A procedural task's record generator by spec, ``fn(n, seed) -> records``, used by ``load()``
     when no path is given."""
+    generate_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword options of ``generate_spec`` (the calibration task's feature probabilities)."""
     term_weights: dict[str, float] = field(default_factory=dict)
     """The reward as a weighted sum of its components: reward = sum_k w_k * components[k]
     (built-in tasks: correct 1, format format_weight). Empty: unknown (custom rewards)."""
@@ -222,7 +224,7 @@ class Task:
         ``seed``. Bad rows raise ``DataError`` naming the file, the row and the field.
         """
         if not path and self.generate_spec is not None:
-            return load_function(self.generate_spec)(max_rows or 1024, seed, chat=self.chat)
+            return load_function(self.generate_spec)(max_rows or 1024, seed, chat=self.chat, **self.generate_kwargs)
         source = path or self.default_path
         if source is None:
             raise ValueError(f"task '{self.name}' has no default data; pass a path")

@@ -182,7 +182,7 @@ def train(cfg: Config) -> RunResult:
     t, m = cfg.task, cfg.model
     task = build_task(t.name, path=t.path, reward_fn=t.reward_fn, chat=t.chat, system_prompt=t.system_prompt,
                       format_weight=t.format_weight, extract_fn=t.extract_fn, equal_fn=t.equal_fn,
-                      reward_style=t.reward_style, answer_format=t.answer_format)
+                      reward_style=t.reward_style, answer_format=t.answer_format, features=dict(t.features))
     if cfg.strategy == "sample" and cfg.sweep.budgets and not cfg.sweep.strategies:
         raise ConfigError("sweep.budgets are token budgets of a search: set strategy= (or sweep.strategies) to a search "
                           "strategy; strategy=sample is the plain n-sample eval")

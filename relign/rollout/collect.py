@@ -166,11 +166,17 @@ class RolloutCollector:
     def _add_learned_reward(self, flat: list[tuple[Group, Episode]]) -> None:
         """Score every completion with the learned reward in batches and mix it with the rule
         reward; the rule's score (correctness) stays what is logged as accuracy."""
-        model_scores = self.scorer.score([g.problem for g, _ in flat], [e.text for _, e in flat])
-        for (_, e), s in zip(flat, model_scores):
+        problems, texts = [g.problem for g, _ in flat], [e.text for _, e in flat]
+        if hasattr(self.scorer, "score_detailed"):  # a reader (linguistic calibration): its reward's parts are logged too
+            details = self.scorer.score_detailed(problems, texts, extra_infos=[g.extra_info for g, _ in flat],
+                                                 finished=[e.finish_reason != "length" for _, e in flat])
+            model_scores = [d.pop("reward") for d in details]
+        else:
+            model_scores, details = self.scorer.score(problems, texts), [{}] * len(flat)
+        for (_, e), s, parts in zip(flat, model_scores, details):
             rule = e.reward
             e.reward = self.rule_weight * rule + self.scorer_weight * float(s)
-            e.components = {**e.components, "rule": rule, "model": float(s)}
+            e.components = {**e.components, "rule": rule, "model": float(s), **parts}
             e.terms = {**e.terms, "model": float(s)}
 
     def collect(self, sampler: StepSampler, n_groups: int, dynamic: bool, max_rounds: int) -> list[Group]:
