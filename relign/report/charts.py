@@ -14,6 +14,7 @@ import html
 import math
 from typing import Any, Callable, Iterable
 
+from ..algorithms.scoring import reliability_bins
 from .util import PALETTE, _is_num, fmt
 
 MAX_CHART_POINTS = 400  # longer series are averaged into this many buckets
@@ -23,6 +24,7 @@ MAX_CHART_POINTS = 400  # longer series are averaged into this many buckets
 CHARTS: list[tuple[str, str, tuple[str, ...], str | None]] = [
     ("reward", "Reward (mean ± std)", ("reward/mean",), "reward/std"),
     ("reward-components", "Reward score and components", ("reward/score", "reward/*"), None),
+    ("calibration", "Calibration: ECE of the reader's top answer", ("calib/ece", "eval/calib/ece"), None),
     ("eval-accuracy", "Eval accuracy", ("eval/accuracy", "eval/pass@*", "eval/maj@*", "eval/score"), None),
     ("rest-accuracy", "Validation accuracy per ReST-EM iteration", ("rest/val_accuracy",), None),
     ("rest-filter", "ReST-EM filter (per iteration)", ("rest/correct_frac", "rest/prompts_with_any", "rest/truncated_frac"), None),
@@ -280,3 +282,13 @@ def swatch(color: str, dash: str = "") -> str:
     dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
     return (f'<svg class="swatch" width="22" height="8" viewBox="0 0 22 8" aria-hidden="true">'
             f'<line x1="1" x2="21" y1="4" y2="4" stroke="{color}" stroke-width="2"{dash_attr}/></svg>')
+
+
+def reliability_svg(conf: list[float], correct: list[float], bins: int = 10, width: int = 480, height: int = 210) -> str:
+    """A reliability diagram: for each non-empty equal-width bin of stated confidence (labelled
+    with its range and count n), the bin's mean confidence beside its observed accuracy; a
+    calibrated reader's two bars are equal."""
+    kept = [b for b in reliability_bins(conf, correct, bins) if b.count]
+    labels = [f"{b.lo:.1f}-{b.hi:.1f} n={b.count}" for b in kept]
+    return bars_svg(labels, [("confidence", PALETTE[1], [b.confidence for b in kept]),
+                             ("accuracy", PALETTE[0], [b.accuracy for b in kept])], width=width, height=height)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .. import distributed
+from ..algorithms.scoring import ece
 from ..algorithms.shaping import zero_variance_groups
 from ..config import ConfigError
 from ..data.collate import StepSampler
@@ -244,6 +245,9 @@ class RolloutCollector:
         out: dict[str, float] = {}
         for k in sorted({k for e in eps for k in e.components}):
             out[f"reward/{k}"] = float(np.mean([e.components.get(k, 0.0) for e in eps]))
+        if eps and all("lc_confidence" in e.components for e in eps):  # a reader reward: the step's calibration
+            conf = [min(max(e.components["lc_confidence"], 0.0), 1.0) for e in eps]
+            out["calib/ece"] = ece(conf, [e.components["lc_correct"] for e in eps])
         out["reward/errors"] = float(sum(e.reward_error == "exception" for e in eps))
         out["reward/timeouts"] = float(sum(e.reward_error == "timeout" for e in eps))
         if self.env is not None:
