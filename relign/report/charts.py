@@ -292,3 +292,18 @@ def reliability_svg(conf: list[float], correct: list[float], bins: int = 10, wid
     labels = [f"{b.lo:.1f}-{b.hi:.1f} n={b.count}" for b in kept]
     return bars_svg(labels, [("confidence", PALETTE[1], [b.confidence for b in kept]),
                              ("accuracy", PALETTE[0], [b.accuracy for b in kept])], width=width, height=height)
+
+
+_STANDALONE_STYLE = ("<style>.grid{stroke:#eef0f2}.frame{fill:none;stroke:#d0d7de}.tick{font:10px sans-serif;fill:#57606a}"
+                     ".legend{font:11px sans-serif}</style>")
+
+
+def reliability_file_svg(conf: list[float], correct: list[float], bins: int = 10, title: str = "") -> str:
+    """``reliability_svg`` as a file a browser opens on its own (namespace, styles, legend, title)."""
+    svg = reliability_svg(conf, correct, bins, height=230)
+    svg = svg.replace("<svg", '<svg xmlns="http://www.w3.org/2000/svg"', 1)
+    head_end = svg.index(">") + 1
+    legend = (f'<text class="legend" x="300" y="14" fill="{PALETTE[1]}">\u25a0 stated confidence</text>'
+              f'<text class="legend" x="400" y="14" fill="{PALETTE[0]}">\u25a0 accuracy</text>'
+              f'<text class="legend" x="60" y="14" fill="#24292f">{html.escape(title)}</text>')
+    return svg[:head_end] + _STANDALONE_STYLE + svg[head_end:].replace("</svg>", legend + "</svg>") + "\n"
