@@ -34,7 +34,7 @@ from typing import Any
 
 from relign.data.readers import DataError
 from relign.envs.base import Task
-from relign.envs.reader_rules import answers_match, parse_statements
+from relign.envs.reader_rules import answers_match, normalize_answer, parse_statements
 
 FEATURES = {"red": 0.2, "blue": 0.8}
 """The default rooms and their q_f = P(hidden answer = left)."""
@@ -75,6 +75,31 @@ def reward(prompt: str, response: str, extra_info: dict, **_: Any) -> dict:
     top = max(stmts, key=lambda s: s[1])[0] if stmts else None
     correct = float(top is not None and answers_match(top, gold))
     return {"reward": correct, "score": correct, "components": {"correct": correct, "format": float(bool(stmts))}}
+
+
+def frequency_summary(query: str, paragraphs: list[str]) -> str:
+    """Summary distillation for short answers: the K sampled answers as one hedged statement,
+    "I think it is A with 60% likelihood, B with 40%." (answers grouped by TriviaQA
+    normalization, in order of frequency then first appearance; percentages by largest remainder,
+    so they sum to 100). Every answer is its paragraph's first sentence; no answer: "No Answer"."""
+    counts: dict[str, list] = {}
+    for z in paragraphs:
+        stmts, _ = parse_statements("", z)
+        if not stmts:
+            continue
+        answer = stmts[0][0]
+        key = normalize_answer(answer)
+        counts.setdefault(key, [answer, 0])[1] += 1
+    total = sum(n for _, n in counts.values())
+    if not total:
+        return "No Answer"
+    ranked = sorted(counts.values(), key=lambda an: -an[1])  # stable: ties keep first appearance
+    exact = [100 * n / total for _, n in ranked]
+    pct = [int(x) for x in exact]
+    for i in sorted(range(len(ranked)), key=lambda i: -(exact[i] - pct[i]))[: 100 - sum(pct)]:
+        pct[i] += 1
+    parts = [f"{a} with {p}% likelihood" if i == 0 else f"{a} with {p}%" for i, ((a, _), p) in enumerate(zip(ranked, pct))]
+    return "I think it is " + ", ".join(parts) + "."
 
 
 def task(*, chat: bool = False, system_prompt: str | None = None, features: dict[str, float] | None = None,
@@ -118,4 +143,4 @@ def lc_task(*, chat: bool = True, system_prompt: str | None = None, **_: Any) ->
                 step_delimiter=None)
 
 
-__all__ = ["FEATURES", "QUESTION", "TEMPLATE", "check_features", "lc_task", "make_records", "parse_lc_row", "reward", "task"]
+__all__ = ["FEATURES", "QUESTION", "TEMPLATE", "check_features", "frequency_summary", "lc_task", "make_records", "parse_lc_row", "reward", "task"]
