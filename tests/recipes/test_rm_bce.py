@@ -43,6 +43,7 @@ def _hf_sigmoid(ckpt, rows):
     return out
 
 
+@pytest.mark.slow  # 40 optimizer steps through the CLI: a learning test
 def test_rm_bce_lowers_the_loss_moves_forecasts_to_labels_and_loads_as_forecaster(tiny_model_dir, tmp_path):
     rows = _rows()
     data = write_jsonl(tmp_path / "forecast.jsonl", rows)
