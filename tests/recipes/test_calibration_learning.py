@@ -61,20 +61,20 @@ def test_grpo_with_the_reader_reward_calibrates_stated_confidence(tiny_model_dir
             f"model.path={tiny_model_dir}", f"data.path={tmp_path / 'warm.jsonl'}", f"run_dir={tmp_path / 'sft'}",
             "max_steps=150", "batch_size=16", "micro_batch_size=16", "optim.lr=3e-3", "data.eval_fraction=0", *common]))
         means = {}
-        for q in (0.2, 0.8):
+        for q, rule in ((0.2, "log"), (0.8, "log"), (0.8, "brier")):  # the Brier rule: the same outcome
             conf0, left0 = _stated(warm.checkpoint, q)
-            run = tmp_path / f"rl_{q}"
+            run = tmp_path / f"rl_{q}_{rule}"
             result = rl.train(load_config(rl.Config, None, [
                 f"model.path={warm.checkpoint}", "task.name=calibration", f"task.features={{room: {q}}}", "task.chat=false",
-                "task.reward_workers=0", "reward.kind=reader", "reward.reader.rule=true", "reward.rule_weight=0",
+                "task.reward_workers=0", "reward.kind=reader", "reward.reader.rule=true", f"reward.reader.scoring={rule}", "reward.rule_weight=0",
                 f"run_dir={run}", "rollout.n=8", "prompts_per_step=16", "rollout.max_new_tokens=8", "optim.lr=3e-3",
                 "max_steps=40", "traces_per_step=0", "seed=1", *common]))
             conf1, left1 = _stated(run / "checkpoints" / "step_40", q)
             rewards = [r["reward/mean"] for r in result.history if "reward/mean" in r]
             before, after = _ece(conf0, left0), _ece(conf1, left1)
-            means[q] = sum(conf1) / len(conf1)
-            print(q, "ECE", before, "->", after, "mean p", sum(conf0) / len(conf0), "->", means[q])
-            assert after < before / 2, (q, before, after)
-            assert abs(means[q] - q) <= 0.12, (q, means[q])
+            means[q, rule] = sum(conf1) / len(conf1)
+            print(q, rule, "ECE", before, "->", after, "mean p", sum(conf0) / len(conf0), "->", means[q, rule])
+            assert after < before / 2, (q, rule, before, after)
+            assert abs(means[q, rule] - q) <= 0.12, (q, rule, means[q, rule])
             assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5, rewards
-    assert means[0.2] < means[0.8]
+    assert means[0.2, "log"] < means[0.8, "log"]
