@@ -171,7 +171,7 @@ class TaskConfig:
     """A task of ``relign rl``, ``relign eval`` and ``relign rest``: built-in or custom, its reward and where it runs."""
 
     name: str = "gsm8k"
-    """Built-in task (gsm8k, math, math500, countdown, calculator) or 'custom' with path + reward_fn."""
+    """Built-in task (gsm8k, math, math500, countdown, calculator, calibration, lc) or 'custom' with path + reward_fn."""
     path: str = ""
     """Prompts: a file, dataset folder or hub id (empty: the task's default source; eval: its shipped test set)."""
     split: str = ""
