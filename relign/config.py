@@ -207,7 +207,7 @@ class TaskConfig:
     """A task of ``relign rl``, ``relign eval`` and ``relign rest``: built-in or custom, its reward and where it runs."""
 
     name: str = "gsm8k"
-    """Built-in task (gsm8k, math, math500, countdown, calculator) or 'custom' with path + reward_fn."""
+    """Built-in task (gsm8k, math, math500, countdown, calculator, calibration, lc) or 'custom' with path + reward_fn."""
     path: str = ""
     """Prompts: a file, dataset folder or hub id (empty: the task's default source; eval: its shipped test set)."""
     split: str = ""
@@ -243,6 +243,8 @@ class TaskConfig:
     """task.name=reasoning_gym: datasets, generator options, sizes, answer format."""
     gem: GemConfig = field(default_factory=GemConfig)
     """task.name=gem: the GEM environment id and its options."""
+    features: dict[str, float] = field(default_factory=dict)
+    """calibration: room -> q, the probability its hidden answer is 'left' (empty: red 0.2, blue 0.8; docs/calibration.md)."""
 
 
 @dataclass

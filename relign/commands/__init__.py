@@ -11,6 +11,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "presets": ("relign.commands.presets", "[NAME]", "List the shipped presets (NAME: print that preset's YAML)."),
     "chat": ("relign.commands.chat", "MODEL", "Talk to a model in the terminal, with its chat template."),
     "generate": ("relign.commands.generate", "MODEL PROMPTS.jsonl", "Batch generation: one JSONL row per completion."),
+    "lc-data": ("relign.commands.lc_data", "MODEL LC_ROWS", "Linguistic calibration: summary-distillation SFT rows."),
     "merge-lora": ("relign.commands.merge_lora", "RUN_OR_ADAPTER OUT", "Merge a LoRA adapter into its base: a plain HF model."),
     "version": ("relign.commands.version", "", "Print the versions of relign, torch and transformers (also --version)."),
 }

@@ -20,6 +20,8 @@ from typing import Any
 from relign.envs.base import Task, load_function, make_custom_task
 # each task's factory from its module, not through the package (relign/envs/__init__.py imports this module)
 from relign.envs.calculator import task as calculator_task
+from relign.envs.calibration import lc_task
+from relign.envs.calibration import task as calibration_task
 from relign.envs.countdown import task as countdown_task
 from relign.envs.gem_env import task as gem_task
 from relign.envs.gsm8k import task as gsm8k_task
@@ -57,6 +59,8 @@ TASKS: dict[str, Callable[..., Task]] = {
     "reasoning_gym": reasoning_gym_task,  # needs relign[reasoning-gym]; imported when a task is built
     "rg": reasoning_gym_task,
     "gem": gem_task,  # needs relign[gem]
+    "calibration": calibration_task,
+    "lc": lc_task,
     "custom": make_custom_task,
 }
 # The factories that take a config section of their own: task.rg, task.gem (TaskConfig).
@@ -90,7 +94,8 @@ def is_multi_turn(name: str) -> bool:
 
 def build_task(name: str, *, path: str = "", reward_fn: str = "", chat: bool = True, system_prompt: str = "",
                format_weight: float = 0.0, extract_fn: str = "", equal_fn: str = "", single_turn: bool = True,
-               reward_style: str = "auto", answer_format: str = "boxed", sections: Any = None) -> Task:
+               reward_style: str = "auto", answer_format: str = "boxed", sections: Any = None,
+               features: dict[str, float] | None = None) -> Task:
     """The task as ``relign rl`` builds it (``reward_fn`` replaces a built-in task's reward; a
     custom task needs ``path`` and ``reward_fn``), with optional answer extractor / equivalence
     overrides for maj@k. ``single_turn`` refuses a task that runs in a multi-turn environment
@@ -106,6 +111,10 @@ def build_task(name: str, *, path: str = "", reward_fn: str = "", chat: bool = T
         if name not in ("math", "math500"):
             raise ConfigError(f"task.answer_format={answer_format} applies to the math task, not task.name={name}")
         opts["answer_format"] = answer_format
+    if features:
+        if name != "calibration":
+            raise ConfigError(f"task.features apply to the calibration task, not task.name={name}")
+        opts["features"] = dict(features)
     if reward_fn and ":" not in reward_fn:
         reward_fn += ":reward"  # 'my_reward.py' means its function named reward, as in relign rl
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,14 +22,16 @@ from ..config import ConfigError, TaskConfig, VllmConfig
 from ..envs.base import load_function
 from ..envs.env import make_env
 from ..envs.rewards import RewardPool
-from ..envs.tasks import build_task
+from ..envs.reader_rules import RuleReader
+from ..envs.tasks import build_task, render_prompt
 from ..evaluate import PeriodicEval
-from ..models.loading import apply_lora, load_causal_lm, resolve_model_path
+from ..models.loading import apply_lora, load_causal_lm, load_tokenizer, resolve_model_path
 from ..models.precision import compute_dtype
+from ..models.reader import Forecaster, LMReader, ReaderScorer
 from ..models.reward import load_reward_model, load_scorer
 from ..models.value import ValueModel
 from ..rollout.collect import RolloutCollector
-from ..rollout.engine import ENGINES, SamplingParams, eos_token_ids
+from ..rollout.engine import ENGINES, SamplingParams, derive_seed, eos_token_ids
 from ..rollout.hf_engine import HFEngine
 from ..rollout.vllm_engine import VLLMEngine
 from ..rollout.weights import checkpoint_weights
@@ -141,7 +144,8 @@ def task_for(t: TaskConfig):
     """The task of an RL run (a built-in task, a custom one, or a procedural multi-turn one)."""
     return build_task(t.name, path=t.path, reward_fn=t.reward_fn, chat=t.chat, system_prompt=t.system_prompt,
                       format_weight=t.format_weight, single_turn=False, reward_style=t.reward_style,
-                      answer_format=t.answer_format, sections=t)
+                      answer_format=t.answer_format, sections=t,
+                      features=dict(t.features))
 
 
 def collector_for(task, t: TaskConfig, ro: RolloutConfig, rw: LearnedRewardConfig, tokenizer, engine, *,
@@ -157,7 +161,9 @@ def collector_for(task, t: TaskConfig, ro: RolloutConfig, rw: LearnedRewardConfi
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise ConfigError(f"task: {e}") from None
     scorer = None
-    if rw.model:  # a learned reward: a second model, scoring completions in batches
+    if rw.kind == "reader":  # linguistic calibration: a reader's forecast through a proper scoring rule
+        scorer = reader_scorer_for(rw, m, device, seed=seed)
+    elif rw.model:  # a learned reward: a second model, scoring completions in batches
         try:
             scorer = load_scorer(rw.model, rw.kind, device=device, batch_size=rw.batch_size, max_length=rw.max_length,
                                  dtype=m.dtype, trust_remote_code=m.trust_remote_code)
@@ -198,6 +204,42 @@ def heldout_records(task, path: str, split: str, *, max_rows: int, seed: int, tr
     return records
 
 
+def reader_scorer_for(rw: LearnedRewardConfig, m: ModelConfig, device, *, seed: int) -> ReaderScorer:
+    """reward.kind=reader: the rule reader, or the forecaster ``reward.model`` (sigma(logit)) with
+    the extractor ``reward.reader.extractor`` sampled through an HF engine (or rule extraction)."""
+    rd = rw.reader
+    if rd.rule:
+        reader = RuleReader()
+    else:
+        try:
+            forecaster = Forecaster(rw.model, device=device, batch_size=rw.batch_size, max_length=rw.max_length,
+                                    dtype=m.dtype, trust_remote_code=m.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"reward.model={rw.model}: {e}") from None
+        generate = None
+        if rd.extractor:
+            tok = load_tokenizer(rd.extractor, trust_remote_code=m.trust_remote_code, key="reward.reader.extractor")
+            engine = HFEngine(load_frozen(rd.extractor, m, device, key="reward.reader.extractor"), tok, seed=seed)
+            generate = extractor_generate(engine, tok, SamplingParams(temperature=rd.extractor_temperature,
+                                                                      max_new_tokens=rd.extractor_max_tokens), seed=seed)
+        reader = LMReader(generate, forecaster)
+    return ReaderScorer(reader, rule=rd.scoring, eps=rd.eps, lam=rd.normalization_lambda, offset=rd.offset,
+                        unfinished_reward=rd.unfinished_reward)
+
+
+def extractor_generate(engine, tok, params: SamplingParams, *, seed: int):
+    """Prompt texts -> the extractor's completions: each prompt a user turn (the chat template, as
+    relign sft trained it; raw text for a tokenizer without one), seeded by the prompt's own text,
+    so an extraction does not depend on the batch it is in."""
+    def generate(texts: list[str]) -> list[str]:
+        ids = [render_prompt(tok, {"messages": [{"role": "user", "content": t}]} if tok.chat_template else {"prompt": t})[1]
+               for t in texts]
+        seeds = [derive_seed(seed, zlib.crc32(t.encode())) for t in texts]
+        return [cs[0].text for cs in engine.generate(ids, params, seeds=seeds)]
+
+    return generate
+
+
 def evaluator_for(e: EvalDuringTrainingConfig, t: TaskConfig, ro: RolloutConfig, tokenizer, run_dir: Path, *,
                   seed: int) -> PeriodicEval:
     """RL's held-out eval (``eval.*``): the task as the run's (its reward, chat template, format
@@ -205,7 +247,8 @@ def evaluator_for(e: EvalDuringTrainingConfig, t: TaskConfig, ro: RolloutConfig,
     rollouts' stop strings and, by default, their token budget."""
     task = build_task(t.name, path=e.path, reward_fn=t.reward_fn, chat=t.chat, system_prompt=t.system_prompt,
                       format_weight=t.format_weight, extract_fn=t.extract_fn, equal_fn=t.equal_fn,
-                      reward_style=t.reward_style, answer_format=t.answer_format, sections=t)
+                      reward_style=t.reward_style, answer_format=t.answer_format, sections=t,
+                      features=dict(t.features))
     records = heldout_records(task, e.path, e.split, max_rows=e.max_rows, seed=seed, train_rows=t.max_rows)
     return PeriodicEval(task, records, tokenizer, run_dir, every=e.every, n=e.n, ks=e.ks, temperature=e.temperature,
                         max_new_tokens=e.max_new_tokens or ro.max_new_tokens, batch_prompts=e.batch_prompts,

@@ -30,11 +30,15 @@ from .. import banner
 from ..checkpoint import atomic_write_text
 from ..checks import check_choice, check_fraction, check_model_path, check_non_negative, check_positive, check_wandb
 from ..config import ConfigError, LoggingConfig, RunFields, TaskConfig, VllmConfig
+from ..algorithms.scoring import brier, ece
 from ..envs.base import Task
+from ..envs.reader_rules import RuleReader
 from ..envs.rewards import RewardPool
 from ..envs.tasks import build_task, encode_problems
 from ..evaluate import evaluate, format_summary, search_eval, sweep_markdown, write_samples
 from ..models.loading import load_model_tokenizer
+from ..models.reader import Forecaster, LMReader, ReaderScorer
+from ..report.charts import reliability_file_svg
 from ..report.sweep import write_sweep_svg
 from ..rollout.engine import ENGINES
 from ..rollout.vllm_engine import check_vllm
@@ -106,7 +110,7 @@ class Config(RunFields):
     strategy: str = "sample"
     """sample (n samples per problem: pass@k, maj@k), or a search: cot, majority, best_of_n, weighted_majority, step_beam, mcts."""
     scorer: str = ""
-    """What ranks or guides a search: verifier, rm, prm (scorer_path), or rule (only where the reward needs no gold answer)."""
+    """What ranks or guides a search: verifier, rm, prm (scorer_path), or rule (only where the reward needs no gold answer); strategy=sample: reader (calib/* metrics)."""
     scorer_path: str = ""
     """Checkpoint folder of a verifier / rm / prm scorer."""
     step_tag: str = " ки"
@@ -182,11 +186,13 @@ def train(cfg: Config) -> RunResult:
     t, m = cfg.task, cfg.model
     task = build_task(t.name, path=t.path, reward_fn=t.reward_fn, chat=t.chat, system_prompt=t.system_prompt,
                       format_weight=t.format_weight, extract_fn=t.extract_fn, equal_fn=t.equal_fn,
-                      reward_style=t.reward_style, answer_format=t.answer_format, sections=t)
+                      reward_style=t.reward_style, answer_format=t.answer_format, sections=t,
+                      features=dict(t.features))
     if cfg.strategy == "sample" and cfg.sweep.budgets and not cfg.sweep.strategies:
         raise ConfigError("sweep.budgets are token budgets of a search: set strategy= (or sweep.strategies) to a search "
                           "strategy; strategy=sample is the plain n-sample eval")
     cells = _check_search(cfg, task) if cfg.strategy != "sample" or cfg.sweep.strategies else []
+    reader = _reader_for(cfg) if cfg.strategy == "sample" and cfg.scorer == "reader" else None
     run = frame.open(cfg, "eval")  # a fresh directory, never an earlier eval's (relign.rundir)
     records = build.heldout_records(task, t.path, t.split, max_rows=t.max_rows, seed=cfg.seed)
     tok = load_model_tokenizer(m)
@@ -208,16 +214,46 @@ def train(cfg: Config) -> RunResult:
             metrics = _search(cfg, cells, task, tok, engine, records, run.run_dir, run.device)
             keys = ("accuracy", "ci_low", "ci_high", "tokens_per_question")
         else:
-            metrics = _sample_eval(cfg, ks, task, tok, engine, records, run.run_dir)
+            metrics = _sample_eval(cfg, ks, task, tok, engine, records, run.run_dir, reader=reader)
             k = cfg.k or cfg.n
-            keys = ("accuracy", f"pass@{k}", f"maj@{k}", "length_mean", "truncated_frac")
+            keys = ("accuracy", f"pass@{k}", f"maj@{k}", "length_mean", "truncated_frac", *(CALIB_KEYS if reader else ()))
     finally:
         engine.close()
     return frame.close(run, metrics=metrics, keys=keys, steps=0, resumable=False)
 
 
-def _sample_eval(cfg: Config, ks: list[int], task: Task, tok, engine, records: list[dict], run_dir: Path
-                 ) -> dict[str, float]:
+CALIB_KEYS = ("calib/ece", "calib/brier", "calib/accuracy")
+
+
+def _reader_for(cfg: Config) -> ReaderScorer:
+    """scorer=reader: the rule reader (no scorer_path), or the forecaster at scorer_path (rule extraction)."""
+    if not cfg.scorer_path:
+        return ReaderScorer(RuleReader())
+    try:
+        return ReaderScorer(LMReader(None, Forecaster(cfg.scorer_path, key="scorer_path", dtype=cfg.model.dtype,
+                                                      trust_remote_code=cfg.model.trust_remote_code)))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"scorer=reader scorer_path={cfg.scorer_path}: {e}") from None
+
+
+def calibration_metrics(reader: ReaderScorer, rows: list[dict]) -> dict[str, float]:
+    """calib/ece, calib/brier, calib/accuracy of the reader's top answer over every sample, and
+    each row's ``reader`` (confidence, correct) and ``reader_forecast`` of the gold answer."""
+    try:
+        details = reader.score_detailed([r["question"] for r in rows], [r["response"] for r in rows],
+                                        extra_infos=[r["extra_info"] for r in rows])
+    except ValueError as e:  # a record without extra_info.answer
+        raise ConfigError(f"scorer=reader: {e}") from None
+    conf = [min(max(d["lc_confidence"], 0.0), 1.0) for d in details]
+    correct = [d["lc_correct"] for d in details]
+    for r, d, c in zip(rows, details, conf):
+        r["reader"] = {"confidence": c, "correct": d["lc_correct"], "forecast": d["lc_forecast"]}
+    return {"calib/ece": ece(conf, correct), "calib/brier": brier(conf, correct),
+            "calib/accuracy": sum(correct) / max(len(correct), 1)}
+
+
+def _sample_eval(cfg: Config, ks: list[int], task: Task, tok, engine, records: list[dict], run_dir: Path,
+                 reader: ReaderScorer | None = None) -> dict[str, float]:
     """Sample ``cfg.n`` completions per problem and score them; write eval.json, samples.jsonl and
     the metrics, print the summary and its notes; returns the summary."""
     t, t0 = cfg.task, time.perf_counter()
@@ -230,6 +266,12 @@ def _sample_eval(cfg: Config, ks: list[int], task: Task, tok, engine, records: l
         )
     except ValueError as e:  # e.g. every prompt longer than task.max_prompt_length
         raise ConfigError(str(e)) from None
+    if reader is not None:
+        summary.update(calibration_metrics(reader, rows))
+        graded = [r["reader"] for r in rows]
+        atomic_write_text(run_dir / "reliability.svg", reliability_file_svg(
+            [g["confidence"] for g in graded], [g["correct"] for g in graded],
+            title=f"ECE {summary['calib/ece']:.3f}, {len(graded)} samples"))
     seconds = time.perf_counter() - t0
     notes = []
     if task.extract_spec is None:

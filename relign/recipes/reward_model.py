@@ -9,6 +9,11 @@
         clip grad norm; AdamW step; lr schedule step
         every eval_every: pair accuracy and reward margin on held-out pairs
 
+With ``loss=bce`` the rows are pointwise ``{prompt, response, label in [0, 1]}`` and the loss is
+binary cross-entropy on the same head, L = -[t log sigma(r) + (1 - t) log(1 - sigma(r))]: the
+forecaster of linguistic calibration (Band et al., arXiv 2404.00474, ForecastProbs), read as
+sigma(r(x, y)) (``models.reader.Forecaster``).
+
 The model is ``AutoModelForSequenceClassification`` with one output, read at the last non-pad
 token (``models.reward``). Checkpoints are plain HF folders; ``relign rl
 reward.model=RUN/checkpoints/step_N`` uses one as a learned reward.
@@ -20,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from .. import banner, distributed
 from ..algorithms.preference import bradley_terry_loss
@@ -28,6 +34,8 @@ from ..checks import (
 )
 from ..config import BatchFields, ConfigError, OptimConfig, PreferenceDataConfig
 from ..data.collate import chunks, shard
+from ..data.pointwise import build_point_examples
+from ..data.stats import announce
 from ..data.preference import TRUNCATION
 from ..models.loading import load_model_tokenizer
 from ..models.reward import sequence_rewards
@@ -45,6 +53,8 @@ class Config(BatchFields):
     """Subtract each row's 'margin' field inside the sigmoid (Llama 2); rows without one use 0."""
     center_coef: float = 0.0
     """Weight c of the reward-centering term c (r_w + r_l)^2 (Eisenstein et al.; 1e-2 is typical)."""
+    loss: str = "bt"
+    """bt (Bradley-Terry on preference pairs) or bce (pointwise rows {prompt, response, label in [0, 1]}: a forecaster)."""
 
 
 def _check(cfg: Config) -> None:
@@ -54,6 +64,9 @@ def _check(cfg: Config) -> None:
     check_divides(cfg, "batch_size", "micro_batch_size", distributed.data_size())
     check_common(cfg)
     check_choice("data.truncation", cfg.data.truncation, TRUNCATION)
+    check_choice("loss", cfg.loss, ("bt", "bce"))
+    if cfg.loss == "bce" and (cfg.use_margin or cfg.center_coef):
+        raise ConfigError("use_margin and center_coef shape the Bradley-Terry loss of pairs: loss=bce has no pairs")
     if not cfg.data.path:
         raise ConfigError("missing value for 'data.path': give a preference file, a dataset folder or a hub id")
     check_model_path("model.path", cfg.model.path)
@@ -99,21 +112,61 @@ class PairLosses:
         return average_sums(sums, len(mine), "eval/", device=self.device, names=METRIC_NAMES)
 
 
+class PointLosses(PairLosses):
+    """loss=bce: binary cross-entropy of sigma(r(x, y)) against each row's label t in [0, 1]."""
+
+    def of(self, idx: list[int], exs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        rows = [exs[i] for i in idx]
+        T = max(len(e.input_ids) for e in rows)
+        ids = torch.full((len(rows), T), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), T), dtype=torch.long)
+        for i, e in enumerate(rows):
+            ids[i, : len(e.input_ids)] = torch.tensor(e.input_ids)
+            mask[i, : len(e.input_ids)] = 1
+        t = torch.tensor([e.label for e in rows], dtype=torch.float32, device=self.device)  # [B]
+        r = sequence_rewards(self.model, ids.to(self.device), mask.to(self.device))  # [B] logits
+        losses = F.binary_cross_entropy_with_logits(r, t, reduction="none")
+        p = torch.sigmoid(r.detach())
+        # accuracy: the forecast on the label's side of 1/2; abs_error: |sigma(r) - t|
+        return losses, {"accuracy": ((p > 0.5) == (t > 0.5)).float(), "abs_error": (p - t).abs()}
+
+
+def load_points(cfg: Config, tok):
+    """(train, eval, data metrics) of loss=bce's pointwise rows: data.path, and data.eval_path or a held-out fraction."""
+    d = cfg.data
+    common = dict(max_length=d.max_length, truncation=d.truncation, skip_bad_rows=d.skip_bad_rows, prompt_key=d.prompt_key,
+                  label_key=d.label_key, chat_template=d.chat_template, system_prompt=d.system_prompt, max_rows=d.max_rows)
+    train, stats = build_point_examples(d.path, tok, split=d.split, key="data.path", **common)
+    announce(stats)
+    metrics = stats.as_metrics()
+    held: list = []
+    if d.eval_path:
+        held, estats = build_point_examples(d.eval_path, tok, split=d.eval_split or d.split, key="data.eval_path", **common)
+        announce(estats)
+        metrics.update(estats.as_metrics("data/eval_"))
+    elif d.eval_fraction > 0:
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+        n_eval = max(1, int(len(train) * d.eval_fraction))
+        held, train = [train[i] for i in order[:n_eval]], [train[i] for i in sorted(order[n_eval:])]
+    return train, held, metrics
+
+
 def train(cfg: Config) -> RunResult:
     run = frame.open(cfg, "rm", check=_check)
     tok = load_model_tokenizer(cfg.model)
-    train_set, eval_set, data_metrics = load_examples(cfg.data, tok, seed=cfg.seed)
+    bce = cfg.loss == "bce"
+    train_set, eval_set, data_metrics = load_points(cfg, tok) if bce else load_examples(cfg.data, tok, seed=cfg.seed)
     check_rows(len(train_set), cfg.batch_size, what=f"data.path={cfg.data.path}")
     total_steps, per_epoch = frame.schedule(cfg, len(train_set))
     facts = frame.offline_facts(run, total_steps, per_epoch, data_metrics, train=len(train_set), eval_rows=len(eval_set),
-                                unit="pairs", kind="seq_cls")
+                                unit="rows" if bce else "pairs", kind="seq_cls")
     banner.dry_run("rm", cfg, **facts)  # --dry-run stops here, before any weights are read
     model = build.load_reward(cfg.model, run.device, tok.pad_token_id)
     banner.start("rm", cfg, model=model, **facts)  # parameters counted before FSDP shards them
     t = frame.trainable(run, model, ckpt=frame.checkpoint_to_resume(run), rows=len(train_set), batch_size=cfg.batch_size,
                         total_steps=total_steps)
     save = frame.saver(run, t, tok)
-    losses = PairLosses(cfg, t.model, tok.pad_token_id, run.device)
+    losses = (PointLosses if bce else PairLosses)(cfg, t.model, tok.pad_token_id, run.device)
     tracker = frame.tracker(run, t, desc="rm", first=data_metrics,
                             bar_keys=("train/loss", "train/accuracy", "train/rewards/margins", "eval/accuracy"))
     metrics: dict[str, float] = {}

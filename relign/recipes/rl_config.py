@@ -123,11 +123,35 @@ class AlgorithmConfig:
 
 
 @dataclass
+class ReaderConfig:
+    """The reader of linguistic calibration (reward.kind=reader; docs/calibration.md)."""
+
+    extractor: str = ""
+    """ExtractAnswers: a causal LM checkpoint (relign sft on the extractor template); empty: the rule reader extracts."""
+    rule: bool = False
+    """True: the rule reader (explicit confidence statements) extracts and forecasts; no models (tests, task calibration)."""
+    scoring: str = "log"
+    """The proper scoring rule of the forecast of the true answer: log or brier."""
+    eps: float = 1.0e-4
+    """The log score's clip: log max(f_y, eps) (reference: cross_entropy_epsilon)."""
+    normalization_lambda: float = 5.0
+    """lambda of the penalty lambda * |sum of the extracted answers' forecasts - 1| (reference: 5)."""
+    offset: float = 5.0
+    """Added to every finished response's reward (reference: reward_offset; GRPO is offset-invariant)."""
+    extractor_temperature: float = 0.3
+    """Sampling temperature of the extractor (reference: 0.3)."""
+    extractor_max_tokens: int = 300
+    """Longest extraction, in tokens."""
+    unfinished_reward: float = -1.0
+    """The reward of a response that hit the length limit (reference: penalty_reward_value)."""
+
+
+@dataclass
 class LearnedRewardConfig:
     model: str = ""
-    """A trained reward model (relign rm) or generative verifier (relign verifier) checkpoint; empty = rule reward only."""
+    """A trained reward model (relign rm), generative verifier (relign verifier) or, for kind=reader, forecaster checkpoint; empty = rule reward only."""
     kind: str = "auto"
-    """auto (sequence-classification checkpoint -> rm, causal LM -> verifier), rm or verifier."""
+    """auto (sequence-classification checkpoint -> rm, causal LM -> verifier), rm, verifier or reader (linguistic calibration)."""
     weight: float = 1.0
     """Weight of the learned reward in reward = rule_weight * rule + weight * model."""
     rule_weight: float = 1.0
@@ -136,6 +160,8 @@ class LearnedRewardConfig:
     """Completions per scoring forward pass."""
     max_length: int = 2048
     """Longest (problem + response) the scorer reads, in tokens (longer inputs keep their end)."""
+    reader: ReaderConfig = field(default_factory=ReaderConfig)
+    """kind=reader: the reader and its reward's options."""
 
 
 @dataclass
@@ -295,7 +321,9 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"algorithm.kl_agg / algorithm.kl_clamp shape the KL term of the loss: they need algorithm.kl=loss "
                           f"(got algorithm.kl={a.kl})")
     check_choice("algorithm.overlong", a.overlong, ("none", "penalty", "mask"))
-    check_choice("reward.kind", cfg.reward.kind, ("auto", "rm", "verifier"))
+    check_choice("reward.kind", cfg.reward.kind, ("auto", "rm", "verifier", "reader"))
+    if cfg.reward.kind == "reader":
+        check_reader(cfg.reward)
     if cfg.task.answer_format == "any":
         raise ConfigError("task.answer_format=any reads an answer the response never stated (its last number or formula): "
                           "it is for eval only; train with boxed (the default) or boxed_or_final")
@@ -363,6 +391,23 @@ def check_off_policy(cfg: Config) -> None:
     if a.advantage == "vine":
         raise ConfigError(f"algorithm.advantage=vine with rollout.max_staleness={s}: VinePPO's Monte-Carlo values are "
                           "sampled by the current policy for the current batch (on-policy); use rollout.max_staleness=0")
+
+
+def check_reader(rw: LearnedRewardConfig) -> None:
+    """reward.kind=reader: the rule reader, or a forecaster (and optionally an extractor) checkpoint."""
+    rd = rw.reader
+    check_choice("reward.reader.scoring", rd.scoring, ("log", "brier"))
+    if not 0 < rd.eps < 1:
+        raise ConfigError(f"reward.reader.eps={rd.eps}: the log score's clip must lie in (0, 1)")
+    if rd.normalization_lambda < 0 or rd.extractor_temperature < 0 or rd.extractor_max_tokens < 1:
+        raise ConfigError("reward.reader.normalization_lambda and reward.reader.extractor_temperature must be >= 0, "
+                          "reward.reader.extractor_max_tokens >= 1")
+    if rd.rule and (rw.model or rd.extractor):
+        raise ConfigError("reward.reader.rule=true reads with rules: leave reward.model and reward.reader.extractor empty")
+    if not rd.rule and not rw.model:
+        raise ConfigError("reward.kind=reader needs reward.model (the forecaster: relign rm loss=bce), or "
+                          "reward.reader.rule=true for the rule reader")
+    check_model_path("reward.reader.extractor", rd.extractor, required=False)
 
 
 def check_trpo(cfg: Config) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
+from .charts import reliability_svg
 from .load import Run
 from .traces import GOLD_KEYS
 from .util import _as_bool, _cut, _finite, _first, _flatten, _is_int, _kv_table, _num_or, _text, fmt
@@ -89,6 +90,11 @@ def render_eval(run: Run) -> str:
     out = [f'<section id="eval"><h2>{html.escape(title)}</h2>']
     if run.eval_summary is not None:
         out.append(_kv_table(_flatten(run.eval_summary), "eval-summary"))
+    graded = [r["reader"] for r in run.samples if isinstance(r.get("reader"), dict)]
+    if graded:  # relign eval scorer=reader: the reliability diagram of the reader's top answers
+        out.append('<h3>Reliability diagram</h3><p class="note">Stated confidence of the reader\'s top answer '
+                   '(binned, n = samples per bin) against how often that answer was right.</p>')
+        out.append(reliability_svg([g["confidence"] for g in graded], [g["correct"] for g in graded]))
     if run.samples:
         problems = group_samples(run.samples)
         shown, size = [], 0
