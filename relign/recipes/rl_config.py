@@ -48,8 +48,8 @@ class RolloutConfig(SamplingConfig):
     weight copy while the main thread trains (needs max_staleness >= 1; one process only). Same results either way."""
     overlap_threads: int = 1
     """overlap=thread: intra-op threads of the sampling thread (0 = torch's default, as the trainer's). Decoding
-    gains little from a second thread, and two full OpenMP teams on the same cores stall each other: on 2 CPU
-    cores 1 made the overlapped step 1.5x faster than sampling in turn, torch's default 3x slower (BENCHMARKS.md)."""
+    gains little from a second thread, and two full OpenMP teams on the same cores stall each other (on 2 CPU cores
+    with 0 an overlapped step took 3x longer than with 1; BENCHMARKS.md, "Off-policy overlap")."""
     sync_check_tol: float = 0.1
     """After every weight sync to an engine that holds its own copy (torchrun replica, vLLM, overlap=thread), the
     engine and the trainer score a fixed probe batch; a mean |log-prob gap| above this stops the run (0 = off)."""
