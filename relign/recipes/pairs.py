@@ -9,6 +9,7 @@ import torch
 
 from .. import distributed
 from ..config import PreferenceDataConfig
+from ..data.pointwise import build_point_examples
 from ..data.preference import PairExample, UnpairedExample, build_pair_examples, build_unpaired_examples
 from ..data.stats import announce
 from ..errors import ConfigError
@@ -17,16 +18,22 @@ from ..models.logprobs import shared_prefix_token_logps, token_logps
 from ..models.varlen import continuation_starts, pack_index
 
 
-def load_examples(d: PreferenceDataConfig, tok, *, unpaired: bool = False, seed: int = 0, step_eos: bool = False):
+def load_examples(d: PreferenceDataConfig, tok, *, unpaired: bool = False, points: bool = False, seed: int = 0,
+                  step_eos: bool = False):
     """(train, eval, data metrics) from ``data.path`` and ``data.eval_path`` or a held-out fraction; no usable
-    training row is a ConfigError."""
+    training row is a ConfigError. Rows are pairs, or ``unpaired`` (KTO) or ``points`` (rm loss=bce:
+    prompt, response, label in [0, 1])."""
     common = dict(max_length=d.max_length, truncation=d.truncation, skip_bad_rows=d.skip_bad_rows, prompt_key=d.prompt_key,
-                  chosen_key=d.chosen_key, rejected_key=d.rejected_key, chat_template=d.chat_template,
-                  system_prompt=d.system_prompt, max_rows=d.max_rows)
-    if unpaired:
+                  chat_template=d.chat_template, system_prompt=d.system_prompt, max_rows=d.max_rows)
+    if points:
+        build = build_point_examples
+        common.update(label_key=d.label_key)
+    elif unpaired:
         build = build_unpaired_examples
-        common.update(completion_key=d.completion_key, label_key=d.label_key)
+        common.update(chosen_key=d.chosen_key, rejected_key=d.rejected_key, completion_key=d.completion_key,
+                      label_key=d.label_key)
     else:
+        common.update(chosen_key=d.chosen_key, rejected_key=d.rejected_key)
         build = build_pair_examples
         common.update(prefix_key=d.prefix_key, step_eos=step_eos)
     train, stats = build(d.path, tok, split=d.split, key="data.path", **common)

@@ -34,8 +34,6 @@ from ..checks import (
 )
 from ..config import BatchFields, ConfigError, OptimConfig, PreferenceDataConfig
 from ..data.collate import chunks, shard
-from ..data.pointwise import build_point_examples
-from ..data.stats import announce
 from ..data.preference import TRUNCATION
 from ..models.loading import load_model_tokenizer
 from ..models.reward import sequence_rewards
@@ -131,31 +129,11 @@ class PointLosses(PairLosses):
         return losses, {"accuracy": ((p > 0.5) == (t > 0.5)).float(), "abs_error": (p - t).abs()}
 
 
-def load_points(cfg: Config, tok):
-    """(train, eval, data metrics) of loss=bce's pointwise rows: data.path, and data.eval_path or a held-out fraction."""
-    d = cfg.data
-    common = dict(max_length=d.max_length, truncation=d.truncation, skip_bad_rows=d.skip_bad_rows, prompt_key=d.prompt_key,
-                  label_key=d.label_key, chat_template=d.chat_template, system_prompt=d.system_prompt, max_rows=d.max_rows)
-    train, stats = build_point_examples(d.path, tok, split=d.split, key="data.path", **common)
-    announce(stats)
-    metrics = stats.as_metrics()
-    held: list = []
-    if d.eval_path:
-        held, estats = build_point_examples(d.eval_path, tok, split=d.eval_split or d.split, key="data.eval_path", **common)
-        announce(estats)
-        metrics.update(estats.as_metrics("data/eval_"))
-    elif d.eval_fraction > 0:
-        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-        n_eval = max(1, int(len(train) * d.eval_fraction))
-        held, train = [train[i] for i in order[:n_eval]], [train[i] for i in sorted(order[n_eval:])]
-    return train, held, metrics
-
-
 def train(cfg: Config) -> RunResult:
     run = frame.open(cfg, "rm", check=_check)
     tok = load_model_tokenizer(cfg.model)
     bce = cfg.loss == "bce"
-    train_set, eval_set, data_metrics = load_points(cfg, tok) if bce else load_examples(cfg.data, tok, seed=cfg.seed)
+    train_set, eval_set, data_metrics = load_examples(cfg.data, tok, points=bce, seed=cfg.seed)
     check_rows(len(train_set), cfg.batch_size, what=f"data.path={cfg.data.path}")
     total_steps, per_epoch = frame.schedule(cfg, len(train_set))
     facts = frame.offline_facts(run, total_steps, per_epoch, data_metrics, train=len(train_set), eval_rows=len(eval_set),
