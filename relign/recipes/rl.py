@@ -50,7 +50,7 @@ from ..rollout.batch import RolloutBatch, build_batch
 from ..rollout.collect import RolloutCollector
 from ..rollout.engine import Engine
 from ..rollout.queue import RolloutAhead, Sampled, staleness_metrics
-from ..rollout.sync_check import check_sync, engine_shares_policy, probe_sequences
+from ..rollout.sync_check import can_check, check_sync, probe_sequences
 from ..rollout.traces import write_traces
 from ..rollout.vine import AdaptiveK, VineEpisode, mc_step_values
 from ..rollout.weights import engine_weights
@@ -153,7 +153,7 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
     loss_fn = actor_loss(a, collector.max_response_tokens)
     options = AdvantageOptions(ro.n, a.scale_rewards, a.gamma, a.lam, a.whiten_advantages)
     probe = None
-    if ro.sync_check_tol > 0 and not engine_shares_policy(engine, tr.model):
+    if ro.sync_check_tol > 0 and can_check(engine, tr.model):
         probe = probe_sequences([ids for _, ids, _ in collector.records])
     r = _Run(tok, tr.model, ref, critic, engine, collector, tr.sampler, tr.optimizer, tr.scheduler, critic_opt, layout,
              loss_fn, estimator, options, tracker, evaluator, tr.start, ahead, delimiter, probe)

@@ -140,7 +140,8 @@ class Engine(Protocol):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         ...
 
-    def score_tokens(self, sequences: list[list[int]]) -> list[list[float]]:
-        """log p(x_t | x_<t) of every token after the first of each sequence, at temperature 1,
-        with the engine's own weights and kernels: what the sync check compares with the trainer."""
-        ...
+    # Optional: ``score_tokens(sequences) -> list[list[float]]``, log p(x_t | x_<t) of every token
+    # after the first of each sequence, at temperature 1, with the engine's own weights and kernels.
+    # The RL recipe's sync check (rollout/sync_check.py) compares it with the trainer after every
+    # weight sync; an engine without it is not checked. Not part of the protocol, so an engine
+    # written before it still is an ``Engine``.

@@ -9,7 +9,8 @@ absolute gap of their log-probs must stay under ``rollout.sync_check_tol``; else
 with one line naming the engine, the step and the gap.
 
 An engine that holds the trainer's own tensors (the HF engine in one process without overlap)
-has nothing to check: nothing was copied.
+has nothing to check: nothing was copied. An engine without ``score_tokens`` (optional in the
+``Engine`` protocol) cannot be checked and is not.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ from ..models.logprobs import right_pad, token_logps
 
 class SyncMismatch(ConfigError):
     """The engine's weights are not the trainer's (a ConfigError: the run stops with one line)."""
+
+
+def can_check(engine, policy: torch.nn.Module) -> bool:
+    """Whether the sync check applies: the engine holds weights of its own and can score tokens."""
+    return hasattr(engine, "score_tokens") and not engine_shares_policy(engine, policy)
 
 
 def engine_shares_policy(engine, policy: torch.nn.Module) -> bool:
@@ -45,6 +51,7 @@ def trainer_logps(policy: torch.nn.Module, sequences: list[list[int]], pad_id: i
     ids, mask = right_pad(sequences, pad_id, device)
     with torch.no_grad():
         logps, _ = token_logps(policy, ids, attention_mask=mask)
+    distributed.reshard(policy)  # a forward with no backward: the next training forward must gather afresh
     return [logps[i, 1 : len(seq)].float().tolist() for i, seq in enumerate(sequences)]
 
 

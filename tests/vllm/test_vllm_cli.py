@@ -65,7 +65,9 @@ def test_grpo_learns_the_toy_task_on_vllm(vllm_model_dir, tmp_path):
 
 def test_two_ranks_with_one_engine_each_match_one_rank(vllm_model_dir, tmp_path):
     """torchrun, 2 ranks, each with its own engine sampling its share of the prompts (seeded by
-    draw index): the same samples and, to vLLM's float rounding, the same step as 1 rank."""
+    draw index): the same samples and, to vLLM's float rounding, the same step as 1 rank. The
+    2-rank run checks each engine's weights after every sync (an FSDP forward with no backward,
+    which must leave the root's parameters resharded, else the next step's gradients are lost)."""
     args = ["rl", str(REPO / "examples" / "grpo.yaml"), *toy_overrides(vllm_model_dir, tmp_path, fn="graded"),
             "rollout.engine=vllm", "rollout.max_new_tokens=6", "optim.lr=1e-3", "prompts_per_step=4", "max_steps=2",
             "traces_per_step=0", "checkpoint.save_final=false"]
