@@ -617,7 +617,9 @@ def main(argv: list[str] | None = None) -> None:
     out = {
         "benchmark": "grpo_step",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": " ".join(["python", "bench/grpo_step.py", *(argv if argv is not None else sys.argv[1:])]),
+        # repository paths relative, so the results can be committed without this machine's paths
+        "command": " ".join(["python", "bench/grpo_step.py", *(argv if argv is not None else sys.argv[1:])]
+                            ).replace(f"{REPO}/", ""),
         "total_seconds": None,
         "setup": {
             "model": "relign.models.tiny.build_tiny_model(arch='qwen2', size='small')",
