@@ -3,21 +3,17 @@ worked out by hand on a toy shape, and the script run on the real bench shapes."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from types import SimpleNamespace
 
 import pytest
 
-from .conftest import REPO
+from .conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def arith():
-    spec = importlib.util.spec_from_file_location("bench_arithmetic", REPO / "bench" / "arithmetic.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/arithmetic.py", "bench_arithmetic")
 
 
 def toy(arith):

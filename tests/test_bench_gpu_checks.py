@@ -3,16 +3,13 @@ script a GPU session runs in one command has not rotted (it drives relign's publ
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
-from .conftest import REPO
+from .conftest import load_script
 
 
 def test_gpu_checks_smoke_on_cpu(tmp_path):
-    spec = importlib.util.spec_from_file_location("gpu_checks", REPO / "bench" / "gpu_checks.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("bench/gpu_checks.py", "gpu_checks")
     out = tmp_path / "gpu.json"
     mod.main(["--smoke", "--out", str(out)])
     res = json.loads(out.read_text())

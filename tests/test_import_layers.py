@@ -6,18 +6,13 @@ the code for the issue and the docs), so these tests and the published counts ar
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-from .conftest import REPO
+from .conftest import load_script
 
-_spec = importlib.util.spec_from_file_location("code_shape", REPO / "tools" / "code_shape.py")
-code_shape = importlib.util.module_from_spec(_spec)
-sys.modules["code_shape"] = code_shape  # dataclasses look their module up
-_spec.loader.exec_module(code_shape)
+code_shape = load_script("tools/code_shape.py", "code_shape")
 
 MAX_IN_FUNCTION = 30  # imports of relign's own modules inside functions (the issue's bound)
 

@@ -21,22 +21,14 @@ tests/golden/presets.json, from the repository root, with the model of ``relign 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-from ..conftest import REPO, run_cli
+from ..conftest import REPO, load_script, run_cli
 
 
-def _load_golden():
-    spec = importlib.util.spec_from_file_location("relign_tools_golden", REPO / "tools" / "golden.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-golden = _load_golden()
+golden = load_script("tools/golden.py", "relign_tools_golden")
 RECORDED = json.loads((REPO / "tests" / "golden" / "presets.json").read_text())["presets"]
 
 # Several presets per test: each run forks from the CLI fork server in about a second.

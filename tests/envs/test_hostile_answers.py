@@ -58,7 +58,9 @@ def test_hostile_answers_are_wrong_fast_and_never_run(name, no_exec):
     assert time.perf_counter() - t0 < 10
 
 
-def test_math_refuses_costly_answers_before_math_verify(monkeypatch):
+@pytest.fixture
+def no_math_verify(monkeypatch):
+    """math_verify's parse and verify fail the test if they are ever called."""
     import math_verify
 
     def no_parse(*args, **kwargs):
@@ -66,6 +68,9 @@ def test_math_refuses_costly_answers_before_math_verify(monkeypatch):
 
     monkeypatch.setattr(math_verify, "parse", no_parse)
     monkeypatch.setattr(math_verify, "verify", no_parse)
+
+
+def test_math_refuses_costly_answers_before_math_verify(no_math_verify):
     for answer in HOSTILE[1:]:  # all but __import__ (harmless LaTeX to math_verify: a plain 0)
         assert math_task.answer_problem(answer) is not None, answer[:40]
         assert not math_task.is_correct(f"\\boxed{{{answer}}}", "5")
@@ -165,14 +170,7 @@ def test_math_many_boxes_and_long_statements_are_wrong_and_fast(answer_format, n
     assert time.perf_counter() - t0 < 10
 
 
-def test_math_group_and_statement_bounds_hold_before_math_verify(monkeypatch):
-    import math_verify
-
-    def no_parse(*args, **kwargs):
-        raise AssertionError(f"math_verify saw {str(args)[:60]}")
-
-    monkeypatch.setattr(math_verify, "parse", no_parse)
-    monkeypatch.setattr(math_verify, "verify", no_parse)
+def test_math_group_and_statement_bounds_hold_before_math_verify(no_math_verify):
     group = math_task.boxed_answer(MANY_BOXES[0])
     assert math_task.MAX_ANSWER_CHARS < len(group) < 2 * math_task.MAX_ANSWER_CHARS  # stopped growing, then refused
     assert math_task.answer_problem(group) is not None

@@ -16,12 +16,11 @@ math-verify version installed they are recomputed.
 
 from __future__ import annotations
 
-import importlib.util
 from collections import Counter
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import load_script
 
 GOAL = 0.95
 # The suites as extracted (bench/math_grader.py extract): cases per source file.
@@ -38,10 +37,7 @@ COUNTS = {
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_math_grader", REPO / "bench" / "math_grader.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/math_grader.py", "bench_math_grader")
 
 
 @pytest.fixture(scope="module")
