@@ -190,21 +190,6 @@ def entropy_bonus_loss(entropy: torch.Tensor) -> torch.Tensor:
     return -entropy
 
 
-def truncated_is_weights(old_logps: torch.Tensor, sampling_logps: torch.Tensor, *, cap: float = 2.0) -> torch.Tensor:
-    """Truncated importance sampling weights (TIS; Yao et al. 2025, blog post "Your Efficient
-    RL Framework Secretly Brings You Off-Policy RL Training", no arXiv id), [B, T].
-
-        w_t = min( pi_old(y_t) / pi_sampler(y_t), C )
-
-    pi_sampler is the inference engine that generated y (vLLM/SGLang, different kernels and
-    precision), pi_old the trainer's recomputation of the same policy. The two differ, so
-    the batch is slightly off-policy; the recipe multiplies the per-token policy loss by w.
-    Truncating at C bounds the variance of the correction. Detached: w is a fixed
-    weight, not something to optimise. The log-ratio is clamped to [-20, 20] before exp.
-    """
-    return behaviour_weights(old_logps, sampling_logps, cap=cap, mode="truncate")[0]
-
-
 BEHAVIOUR_MODES = ("truncate", "mask")
 
 
@@ -213,14 +198,16 @@ def behaviour_weights(prox_logps: torch.Tensor, behav_logps: torch.Tensor, *, ca
     """The behaviour weights of decoupled PPO, [B, T], and where they hit the cap (bool [B, T]).
 
         w_t = pi_prox(y_t) / pi_behav(y_t)
-        truncate:  min(w_t, C)                 (TIS: bounded variance, a little bias)
+        truncate:  min(w_t, C)                 (TIS, Yao et al. 2025: bounded variance, a little bias)
         mask:      w_t if w_t <= C else 0      (MIS, AReaL: a token sampled by a policy too
                                                 far from pi_prox leaves the loss, counted)
 
     pi_behav is the policy that sampled y (the engine's log-probs, possibly several updates
     old: ``rollout.max_staleness``); pi_prox the trainer's recomputation with the weights
-    before this step's update, which the PPO ratio is clipped against. Detached: the weight
-    scales each token's loss, it is not optimised. Log-ratios are clamped to [-20, 20] first.
+    before this step's update, which the PPO ratio is clipped against. At staleness 0 the two
+    are the same weights in two kernels (the engine's and the trainer's), and w corrects their
+    numerical drift. Detached: the weight scales each token's loss, it is not optimised.
+    Log-ratios are clamped to [-20, 20] first.
     """
     if mode not in BEHAVIOUR_MODES:
         raise ValueError(f"behaviour weight mode {mode!r}; choose one of {', '.join(BEHAVIOUR_MODES)}")

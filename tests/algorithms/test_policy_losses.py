@@ -10,10 +10,10 @@ import torch
 
 from relign.algorithms.aggregation import aggregate
 from relign.algorithms.policy_losses import (
+    behaviour_weights,
     entropy_bonus_loss,
     gspo_loss,
     ppo_clip_loss,
-    truncated_is_weights,
     value_clip_fraction,
     value_loss,
 )
@@ -332,29 +332,25 @@ def test_entropy_bonus_loss():
     torch.testing.assert_close(H.grad, -torch.ones(1, 2))
 
 
-def test_truncated_is_weights_by_hand():
+def test_truncated_behaviour_weights_by_hand():
     # pi_old / pi_sampler = [1.5, 3 -> capped at 2, 0.5, e^100 -> capped at 2, e^-100 -> e^-20 after the clamp]
     old = torch.tensor([[math.log(1.5), math.log(3.0), math.log(0.5), 100.0, -100.0]], requires_grad=True)
-    w = truncated_is_weights(old, torch.zeros(1, 5))
+    w = behaviour_weights(old, torch.zeros(1, 5), cap=2.0)[0]
     torch.testing.assert_close(w, torch.tensor([[1.5, 2.0, 0.5, 2.0, math.exp(-20.0)]]))
     assert not w.requires_grad
-    assert truncated_is_weights(old, torch.zeros(1, 5), cap=10.0)[0, 1].item() == pytest.approx(3.0)
+    assert behaviour_weights(old, torch.zeros(1, 5), cap=10.0)[0][0, 1].item() == pytest.approx(3.0)
 
 
-def test_truncated_is_weights_naive():
+def test_truncated_behaviour_weights_naive():
     g = torch.Generator().manual_seed(5)
     old, samp = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
-    w = truncated_is_weights(old, samp, cap=1.5)
+    w = behaviour_weights(old, samp, cap=1.5)[0]
     want = [[min(math.exp(o - s), 1.5) for o, s in zip(ro, rs)] for ro, rs in zip(old.tolist(), samp.tolist())]
     torch.testing.assert_close(w, torch.tensor(want))
 
 
 def test_behaviour_weights_by_hand():
     """w = pi_prox / pi_behav; truncate: min(w, C); mask: w where w <= C, else 0; the flags mark w > C."""
-    import math
-
-    from relign.algorithms.policy_losses import behaviour_weights
-
     prox = torch.tensor([[math.log(0.5), math.log(0.9), math.log(0.3), 0.0]])
     behav = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.6), math.log(0.25)]])
     # w = 1, 3, 0.5, 4
