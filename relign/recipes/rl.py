@@ -257,8 +257,8 @@ def train(cfg: Config) -> RunResult:
                 r.engine.load_weights(engine_weights(r.engine, r.policy))
                 sync_gap = _sync_check(r, cfg, step)
             metrics = {**_step_metrics(r, groups, batch, rewards, stats, old_logps, clock), **value_stats, **sync_gap}
-            if ro.max_staleness > 0:
-                metrics.update(staleness_metrics(version, sampled))
+            if ro.max_staleness > 0:  # the trained batch's own collection, not the one sampled ahead this step
+                metrics.update(staleness_metrics(version, sampled), **{"rollout/rounds": sampled.stats.get("rounds", 1.0)})
             if r.evaluator is not None and r.evaluator.due(step, cfg.max_steps):  # held-out accuracy, updated policy
                 metrics.update(r.evaluator(r.engine, step, write=r.tracker.write))
             r.tracker.log(step, metrics)
