@@ -32,14 +32,18 @@ extractor ``fn(response, extra_info) -> str | None`` and an equivalence check ``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
+import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from relign.data.readers import DataError, read_records
 from relign.data.records import check_turns
@@ -246,7 +250,8 @@ class Task:
         """``n`` records from a procedural task's generator, deterministic in ``seed``."""
         if self.generate_spec is None:
             raise ValueError(f"task '{self.name}' is not procedural (it has no generate_spec)")
-        return load_function(self.generate_spec)(n, seed, chat=self.chat, **self.generate_kwargs)
+        with rng_guard():  # a generator may seed or draw from the global streams (reasoning-gym's pool_matrix does)
+            return load_function(self.generate_spec)(n, seed, chat=self.chat, **self.generate_kwargs)
 
     def load_heldout(self, path: str | None = None, split: str | None = None, max_rows: int = 0, seed: int = 0,
                      *, train_rows: int = 0) -> tuple[list[dict[str, Any]], int]:
@@ -305,6 +310,20 @@ class Task:
 
 # --------------------------------------------------------------------------- train / held-out split
 
+
+@contextlib.contextmanager
+def rng_guard() -> Iterator[None]:
+    """Save and restore Python's ``random`` and NumPy's global generator around third-party code
+    that reseeds or draws from them (GEM's games, some reasoning-gym generators): the trainer's
+    streams, and so resume and multi-rank runs, stay as they were."""
+    py_state, np_state = random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+
+
 EVAL_SALT = 0x5EED
 
 
@@ -313,8 +332,8 @@ def eval_seed(seed: int) -> int:
 
     A hash (not ``seed + 1``), so that no training seed is another run's eval seed by an
     off-by-one, and the result does not depend on Python's hash randomisation."""
-    digest = hashlib.blake2b(f"{EVAL_SALT}:{int(seed)}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> 1  # 63 bits, as rollout.engine.derive_seed
+    digest = hashlib.blake2b(f"{EVAL_SALT}:{int(seed)}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big")  # 32 bits: generators hand it to np.random.seed, which takes < 2**32
 
 
 def question_text(record: dict[str, Any]) -> str:

@@ -48,15 +48,13 @@ import hashlib
 import importlib
 import json
 import logging
-import random
 import socket
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 
 from relign.data.readers import DataError
-from relign.envs.base import Task
+from relign.envs.base import Task, rng_guard
 from relign.errors import ConfigError
 
 NAME = "gem"
@@ -65,17 +63,6 @@ _SENTINELS = ("\u2063X\u2063", "\u2063Y\u2063", "\u2063OBS\u2063")  # texts no t
 
 
 # --------------------------------------------------------------------------- guards
-
-
-@contextlib.contextmanager
-def rng_guard() -> Iterator[None]:
-    """Save and restore Python's ``random`` and NumPy's global generator around GEM's reseeding."""
-    py_state, np_state = random.getstate(), np.random.get_state()
-    try:
-        yield
-    finally:
-        random.setstate(py_state)
-        np.random.set_state(np_state)
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ import random
 from typing import Any
 
 from relign.data.readers import DataError
-from relign.envs.base import Task
+from relign.envs.base import Task, rng_guard
 from relign.envs.math import last_boxed
 from relign.errors import ConfigError
 
@@ -82,12 +82,14 @@ def check_dataset(name: str) -> None:
 @functools.lru_cache(maxsize=64)
 def _dataset(name: str, config_json: str, seed: int, size: int):
     """The dataset object (built once per worker and key: some generators load word lists)."""
-    return _rg().create_dataset(name, **json.loads(config_json), seed=seed, size=size)
+    with rng_guard():
+        return _rg().create_dataset(name, **json.loads(config_json), seed=seed, size=size)
 
 
 @functools.lru_cache(maxsize=4096)
 def _entry_cached(name: str, config_json: str, seed: int, size: int, index: int) -> dict[str, Any]:
-    return _dataset(name, config_json, seed, size)[index]
+    with rng_guard():  # pool_matrix and others reseed NumPy's global generator to build an entry
+        return _dataset(name, config_json, seed, size)[index]
 
 
 def _key(config: dict[str, Any]) -> str:

@@ -36,6 +36,7 @@ from ..config import BatchFields, ConfigError, OptimConfig, PreferenceDataConfig
 from ..data.collate import chunks, shard
 from ..data.preference import TRUNCATION
 from ..models.loading import load_model_tokenizer
+from ..models.logprobs import right_pad
 from ..models.reward import sequence_rewards
 from . import RunResult, build, frame
 from .pairs import add_sums, average_sums, collate_pairs, load_examples
@@ -115,14 +116,9 @@ class PointLosses(PairLosses):
 
     def of(self, idx: list[int], exs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         rows = [exs[i] for i in idx]
-        T = max(len(e.input_ids) for e in rows)
-        ids = torch.full((len(rows), T), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), T), dtype=torch.long)
-        for i, e in enumerate(rows):
-            ids[i, : len(e.input_ids)] = torch.tensor(e.input_ids)
-            mask[i, : len(e.input_ids)] = 1
+        ids, mask = right_pad([e.input_ids for e in rows], self.pad_id, self.device)
         t = torch.tensor([e.label for e in rows], dtype=torch.float32, device=self.device)  # [B]
-        r = sequence_rewards(self.model, ids.to(self.device), mask.to(self.device))  # [B] logits
+        r = sequence_rewards(self.model, ids, mask)  # [B] logits
         losses = F.binary_cross_entropy_with_logits(r, t, reduction="none")
         p = torch.sigmoid(r.detach())
         # accuracy: the forecast on the label's side of 1/2; abs_error: |sigma(r) - t|

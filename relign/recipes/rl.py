@@ -124,7 +124,7 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
     engine = build.engine_for(ro.engine, policy, tok, max_batch_rows=ro.max_batch_rows, seed=cfg.seed, m=m, vllm=ro.vllm,
                               fast_decode=ro.fast_decode, own_copy=ro.overlap == "thread",
                               max_model_len=t.max_prompt_length + (ro.max_response_tokens or ro.max_new_tokens * ro.max_turns),
-                              rows=max(1, cfg.prompts_per_step // distributed.data_size()) * ro.n)
+                              rows=max(1, cfg.prompts_per_step // distributed.world_size()) * ro.n)
     collector = build.collector_for(task, t, ro, cfg.reward, tok, engine, m=m, device=run.device, seed=cfg.seed)
     banner.start("rl", cfg, model=policy, **_facts(cfg, collector, run))
     # ---- optimizer: the schedule counts every planned update, ppo_epochs x mini_batches per step
@@ -314,7 +314,7 @@ def _sync_check(run: _Run, cfg: Config, step: int) -> dict[str, float]:
 def _out_of_time(t0: float, max_seconds: float) -> bool:
     """Rank 0's clock decides, so every rank stops after the same step."""
     late = float(distributed.is_main() and time.perf_counter() - t0 >= max_seconds)
-    return bool(distributed.all_reduce_sum(torch.tensor([late], dtype=torch.float64)).item() > 0)
+    return bool(distributed.all_reduce_sum(torch.tensor([late], dtype=torch.float64), group="world").item() > 0)
 
 
 def _values(run: _Run, cfg: Config, step: int, groups, batch, micro) -> tuple[object, dict[str, float]]:

@@ -354,7 +354,7 @@ def check(cfg: Config) -> None:
     check_choice("update", cfg.update, ("ppo", "trpo"))
     if cfg.update == "trpo":
         check_trpo(cfg)
-    world = distributed.data_size()  # the data-parallel ranks: a replica's tp and cp ranks share its prompts
+    world = distributed.world_size()  # every rank samples its share with its own engine, whatever the mesh
     if cfg.prompts_per_step % world:
         raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} does not divide across {world} ranks "
                           f"(torchrun --nproc_per_node): each rank samples prompts_per_step / {world} prompts")

@@ -190,7 +190,9 @@ class RolloutCollector:
         most ``max_rounds`` generation batches; then whatever was kept (possibly fewer groups,
         or none: the caller skips the step).
         """
-        rank, world = distributed.data_rank(), distributed.data_size()
+        # every rank samples a strided share with its own full engine, whatever the mesh: a replica's tp
+        # ranks must hold the very same groups (rewards with timeouts could differ if each scored its own)
+        rank, world = distributed.rank(), distributed.world_size()
         self.last = {}
         self._first_error = None
         kept: list[Group] = []
@@ -201,7 +203,7 @@ class RolloutCollector:
             first = sampler.drawn - len(indices)
             mine = list(range(rank, len(indices), world))  # strided share of this rank
             local = self.rollout([indices[j] for j in mine], [first + j for j in mine])
-            groups = [g for part in distributed.all_gather_object(local, group="dp") for g in part]
+            groups = [g for part in distributed.all_gather_object(local) for g in part]
             groups.sort(key=lambda g: g.draw)
             rounds += 1
             # counted before dynamic sampling drops groups: failed rewards are all 0, so all-failed

@@ -134,7 +134,7 @@ def mc_step_values(engine, tokenizer, episodes: list[VineEpisode], *,
     for key, r in zip(keys, requests):
         owner.setdefault(key, r)
     unique = list(owner)  # first-seen order: the same on every rank
-    rank, world = distributed.data_rank(), distributed.data_size()  # a replica's tp ranks share its states
+    rank, world = distributed.rank(), distributed.world_size()  # every rank a share, gathered by all (as the rollout)
     mine = unique[rank::world]
     total: dict[tuple, list[float]] = {key: [] for key in mine}
     cost = Cost()
@@ -167,7 +167,7 @@ def mc_step_values(engine, tokenizer, episodes: list[VineEpisode], *,
     estimates = {key: sum(rs) / len(rs) for key, rs in total.items()}
     stats = [estimates, float(cost.generated_tokens), float(cost.engine_calls)]
     if world > 1:
-        parts = distributed.all_gather_object(stats, group="dp")
+        parts = distributed.all_gather_object(stats)
         estimates = {key: v for part in parts for key, v in part[0].items()}
         stats = [estimates, sum(p[1] for p in parts), max(p[2] for p in parts)]
     for r, key in zip(requests, keys):

@@ -221,3 +221,23 @@ def test_system_prompt_default_and_override():
     assert t.load(max_rows=1)[0]["messages"][0]["content"] == "Be brief."
     t = get_task("reasoning_gym", chat=True, rg={"system_prompt": ""})
     assert [m["role"] for m in t.load(max_rows=1)[0]["messages"]] == ["user"]
+
+
+def test_generators_that_reseed_numpy_leave_the_trainers_streams_alone():
+    """pool_matrix seeds NumPy's global generator with seed + index: building its records (training
+    and held-out, whose seed must fit np.random.seed's 32 bits) and rebuilding an entry in the reward
+    leave Python's and NumPy's global streams exactly where they were."""
+    import random
+
+    import numpy as np
+
+    t = _task(datasets={"pool_matrix": 1.0})
+    random.seed(11)
+    np.random.seed(11)
+    before = (random.getstate(), np.random.get_state()[1].copy())
+    train = t.load(max_rows=4, seed=3)
+    heldout, _ = t.load_heldout(max_rows=4, seed=3, train_rows=4)
+    out = t.reward(train[0]["prompt"], "<answer>1 2</answer>", train[0]["extra_info"])
+    assert len(train) == 4 and len(heldout) >= 1 and 0.0 <= out["reward"] <= 1.0
+    assert random.getstate() == before[0]
+    assert np.array_equal(np.random.get_state()[1], before[1])
