@@ -28,6 +28,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from ..errors import ConfigError
 from . import varlen
 from .logprobs import selective_log_softmax
+from .tp import check_heads
 
 NAME = "relign_ulysses"
 _ACTIVE = contextvars.ContextVar("relign_ulysses_active", default=None)  # the cp group while a chunked forward runs
@@ -76,7 +77,7 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     return _heads_to_seq(out, group, cp), None
 
 
-def enable_ulysses(model, cp_size: int) -> None:
+def enable_ulysses(model, cp_size: int, tp_size: int = 1) -> None:
     """Route ``model``'s attention through ``ulysses_attention``. It wraps relign's varlen SDPA
     (``varlen.enable`` first); any other kernel is refused with the key to change."""
     impl = getattr(model.config, "_attn_implementation", None)
@@ -88,10 +89,7 @@ def enable_ulysses(model, cp_size: int) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    for heads in ("num_attention_heads", "num_key_value_heads"):
-        n = getattr(model.config, heads, None)
-        if n is not None and n % cp_size:
-            raise ConfigError(f"parallel.cp_size={cp_size} does not divide the model's {n} {heads}")
+    check_heads(model.config, tp_size, cp_size)  # with tp too: each (tp, cp) rank takes whole key-value heads
     AttentionInterface.register(NAME, ulysses_attention)
     AttentionMaskInterface.register(NAME, varlen.packed_mask)
     model.config._attn_implementation = NAME

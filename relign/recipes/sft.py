@@ -167,7 +167,7 @@ def train(cfg: Config, *, desc: str = "sft") -> RunResult:
     if cfg.packing:
         packed_attention(model, m.attn_implementation)
     if cfg.parallel.cp_size > 1:
-        enable_ulysses(model, cfg.parallel.cp_size)
+        enable_ulysses(model, cfg.parallel.cp_size, cfg.parallel.tp_size)
     banner.start("sft", cfg, model=model, **facts)  # parameters counted before FSDP shards them
     t = frame.trainable(run, model, ckpt=frame.checkpoint_to_resume(run), rows=len(train_set), batch_size=cfg.batch_size,
                         total_steps=total_steps)

@@ -70,5 +70,8 @@ def test_context_parallel_refuses_an_attention_it_cannot_wrap(tiny_model_dir):
         enable_ulysses(model, 2)
     model.config._attn_implementation = "sdpa"
     assert varlen.enable(model)
+    kv = model.config.num_key_value_heads  # with tp too, each of the tp x cp ranks needs whole key-value heads
+    with pytest.raises(ConfigError, match=rf"^parallel.tp_size x parallel.cp_size = {2 * kv} does not divide"):
+        enable_ulysses(model, 2, tp_size=kv)
     enable_ulysses(model, 2)
     assert model.config._attn_implementation == NAME
