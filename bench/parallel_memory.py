@@ -102,7 +102,7 @@ def _activation_bytes(model, cp: int) -> dict:
         if cp > 1:
             distributed.init_mesh(cp_size=cp)
             enable_ulysses(model, cp)
-            lp = cp_token_logps(model, ids, pos, distributed.cp_group())
+            lp, _ = cp_token_logps(model, ids, pos, distributed.cp_group())
         else:
             lp, _ = token_logps(model, ids, position_ids=pos)
     (-lp.sum()).backward()

@@ -12,7 +12,7 @@ gathered from the chunks (each chunk's tokens keep their own position ids, so Ro
 a sequence may cross a chunk boundary). PyTorch's ``context_parallel`` is not used: it intercepts
 only the CUDA SDPA kernels (specs/parallel.md).
 
-Ulysses runs only inside ``chunked(...)`` (``cp_token_logps``); any other forward of the model
+Ulysses runs only inside ``chunked(...)`` (``cp_token_logps``, ``cp_values``); any other forward of the model
 (evaluation, generation) runs on whole rows as before, each cp rank computing the same.
 """
 
@@ -27,7 +27,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from ..errors import ConfigError
 from . import varlen
-from .logprobs import selective_log_softmax
+from .logprobs import entropy_from_logits, selective_log_softmax
 from .tp import check_heads
 
 NAME = "relign_ulysses"
@@ -91,6 +91,7 @@ def enable_ulysses(model, cp_size: int, tp_size: int = 1) -> None:
 
     check_heads(model.config, tp_size, cp_size)  # with tp too: each (tp, cp) rank takes whole key-value heads
     AttentionInterface.register(NAME, ulysses_attention)
+    varlen.WRAPPERS.add(NAME)  # it runs varlen's attention on the whole row: continuations read as they do there
     AttentionMaskInterface.register(NAME, varlen.packed_mask)
     model.config._attn_implementation = NAME
 
@@ -111,16 +112,11 @@ def chunk_bounds(T: int, cp: int, c: int) -> tuple[int, int, int]:
     return n * cp, c * n, (c + 1) * n
 
 
-def cp_token_logps(model, input_ids: torch.Tensor, position_ids: torch.Tensor, group, *,
-                   temperature: float = 1.0) -> torch.Tensor:
-    """log p(x_t | x_<t) [B, T] of packed rows (``token_logps``'s convention: column t scores token
-    t) at the targets this cp rank scores, 0 at the others': the rank runs its chunk [a, e) of
-    each row, whose logits score tokens a + 1 .. e, the last being the next chunk's first token
-    (every rank holds the whole row's ids, so no exchange is needed for it). Summed over the cp
-    ranks this is the whole row's log-probs, and the sum of the ranks' losses backpropagates to
-    the whole row's gradient (the attention all-to-alls carry each token's key and value
-    gradients back to its rank). A row not a multiple of cp long is padded at its end with a
-    sequence of its own (position ids from 0), which no real token attends to."""
+def _chunk(input_ids: torch.Tensor, position_ids: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """This cp rank's chunk [a, e) of each row (ids and position ids) and (a, last): its outputs
+    at columns a .. last - 1 score targets a + 1 .. last (the last being the next chunk's first
+    token). A row not a multiple of cp long is padded at its end with a sequence of its own
+    (position ids from 0), which no real token attends to."""
     cp, c = dist.get_world_size(group), dist.get_rank(group)
     B, T = input_ids.shape
     Tp, a, e = chunk_bounds(T, cp, c)
@@ -128,11 +124,64 @@ def cp_token_logps(model, input_ids: torch.Tensor, position_ids: torch.Tensor, g
         pad = Tp - T
         input_ids = torch.cat([input_ids, input_ids.new_zeros(B, pad)], dim=1)
         position_ids = torch.cat([position_ids, torch.arange(pad, device=position_ids.device).expand(B, pad)], dim=1)
+    return input_ids[:, a:e], position_ids[:, a:e], a, min(e, T - 1)
+
+
+def _place(x: torch.Tensor, a: int, last: int, T: int) -> torch.Tensor:
+    """[B, last - a] values of targets a + 1 .. last -> [B, T], 0 at every other column."""
+    out = x.new_zeros(x.shape[0], T)
+    return out.index_copy(1, torch.arange(a + 1, last + 1, device=out.device), x) if last > a else out
+
+
+def cp_token_logps(model, input_ids: torch.Tensor, position_ids: torch.Tensor, group, *, temperature: float = 1.0,
+                   with_entropy: bool = False, entropy_grad: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(x_t | x_<t), entropy or None) [B, T] of packed rows (``token_logps``'s convention:
+    column t scores token t) at the targets this cp rank scores, 0 at the others': the rank runs
+    its chunk [a, e) of each row, whose logits score tokens a + 1 .. e (every rank holds the
+    whole row's ids, so the next chunk's first token needs no exchange). Summed over the cp
+    ranks this is the whole row's (``whole_row``), and the sum of the ranks' losses
+    backpropagates to the whole row's gradient (the attention all-to-alls carry each token's
+    key and value gradients back to its rank)."""
+    ids, pos, a, last = _chunk(input_ids, position_ids, group)
     with chunked(group):
-        logits = model(input_ids=input_ids[:, a:e], position_ids=position_ids[:, a:e], use_cache=False).logits
-    last = min(e, T - 1)  # the targets a + 1 .. last exist in the row
-    out = torch.zeros(B, T, dtype=torch.float32, device=input_ids.device)
-    if last > a:
-        lp = selective_log_softmax(logits[:, : last - a], input_ids[:, a + 1 : last + 1], temperature=temperature)
-        out = out.index_copy(1, torch.arange(a + 1, last + 1, device=out.device), lp)
-    return out
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, : max(last - a, 0)]
+    T = input_ids.shape[1]
+    lp = selective_log_softmax(logits, input_ids[:, a + 1 : last + 1], temperature=temperature)
+    ent = None
+    if with_entropy:
+        ent = _place(entropy_from_logits(logits if entropy_grad else logits.detach(), temperature=temperature), a, last, T)
+    return _place(lp.float(), a, last, T), ent
+
+
+def cp_values(critic, input_ids: torch.Tensor, position_ids: torch.Tensor, group) -> torch.Tensor:
+    """A ``ValueModel``'s V(x_<t) [B, T] (``values[:, t]`` read off the hidden state at t - 1, as
+    its forward aligns them) at this cp rank's targets, 0 at the others' (as ``cp_token_logps``)."""
+    ids, pos, a, last = _chunk(input_ids, position_ids, group)
+    with chunked(group):
+        v = critic(ids, position_ids=pos, shifted=False)[:, : max(last - a, 0)]  # V after reading each chunk token
+    return _place(v, a, last, input_ids.shape[1])
+
+
+class _SumOverChunks(torch.autograd.Function):
+    """Forward: the sum over the cp ranks (each holds its own targets, 0 elsewhere). Backward:
+    the gradient as it is. Every cp rank then computes the same loss on the whole row, so the
+    gradient of its own targets is already the whole loss's; the other columns were constant 0
+    on this rank (Megatron's reduce-from-tensor-parallel-region, over cp)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def whole_row(x: torch.Tensor | None, group) -> torch.Tensor | None:
+    """The whole row's results on every cp rank, from each rank's targets (``cp_token_logps``,
+    ``cp_values``); exact (each column is one rank's value plus zeros). For callers whose loss
+    and metrics read whole rows (RL); SFT sums its chunks' losses instead."""
+    return None if x is None else _SumOverChunks.apply(x, group)

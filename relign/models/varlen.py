@@ -161,9 +161,15 @@ def enable(model) -> bool:
     return True
 
 
+WRAPPERS: set[str] = set()
+"""Attention functions that run this module's on packed rows and so read continuations too
+(context parallel's Ulysses attention, ``models.cp``, adds itself)."""
+
+
 def active(model) -> bool:
     """Whether ``model`` runs this module's attention (and so reads continuations)."""
-    return getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return impl == NAME or impl in WRAPPERS
 
 
 def packed_attention(model, attn_implementation: str) -> bool:

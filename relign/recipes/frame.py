@@ -92,8 +92,8 @@ def open(cfg: Any, recipe: str, *, check: Callable[[Any], Any] | None = None, se
     distributed.init()
     par = getattr(cfg, "parallel", None)  # the trainers' (dp, cp, tp) mesh; eval, rest and demo have none
     if par is not None:
-        if par.cp_size > 1 and recipe != "sft":
-            raise ConfigError(f"parallel.cp_size={par.cp_size}: context parallel trains sft only in this version "
+        if par.cp_size > 1 and recipe not in ("sft", "rl", "dpo"):
+            raise ConfigError(f"parallel.cp_size={par.cp_size}: context parallel trains sft, dpo and rl in this version "
                               f"(relign {recipe} runs tensor and data parallel)")
         distributed.init_mesh(par.tp_size, par.cp_size)
     if check is not None:

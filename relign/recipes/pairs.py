@@ -14,6 +14,7 @@ from ..data.preference import PairExample, UnpairedExample, build_pair_examples,
 from ..data.stats import announce
 from ..errors import ConfigError
 from ..models import varlen
+from ..models.cp import cp_token_logps, whole_row
 from ..models.logprobs import shared_prefix_token_logps, token_logps
 from ..models.varlen import continuation_starts, pack_index
 
@@ -154,7 +155,11 @@ def sequence_logps(model, mb: dict[str, torch.Tensor], *, share_prompt: bool, pa
         first = torch.ones_like(row, dtype=torch.bool)
         first[1:] = row[1:] != row[:-1]
         target = (mask[row, col] * ~first)[None]  # a packed sequence's first token is scored against another: never a target
-        logps, _ = token_logps(model, mb["input_ids"][row, col][None], position_ids=col[None], target_mask=target)
+        ids, pos, group = mb["input_ids"][row, col][None], col[None], distributed.cp_group()
+        if group is None:
+            logps, _ = token_logps(model, ids, position_ids=pos, target_mask=target)
+        else:  # context parallel: this rank runs its chunk of the row, every cp rank gets the whole row (models.cp)
+            logps = whole_row(cp_token_logps(model, ids, pos, group)[0], group)
         sums = torch.zeros(mask.shape[0], dtype=logps.dtype, device=logps.device).index_add(0, row, (logps * target)[0])
         return sums, mask.sum(-1)
     if share_prompt:

@@ -42,6 +42,7 @@ from ..config import BatchFields, ConfigError, OptimConfig, PreferenceDataConfig
 from ..data.collate import chunks, shard
 from ..data.preference import TRUNCATION, UnpairedExample
 from ..models import varlen
+from ..models.cp import enable_ulysses
 from ..models.loading import load_causal_lm, load_model_tokenizer
 from . import RunResult, build, frame
 from .pairs import add_sums, average_sums, by_positions, collate_pairs, collate_unpaired, load_examples, sequence_logps
@@ -129,6 +130,8 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"label_smoothing={cfg.label_smoothing} must lie in [0, 0.5)")
     check_model_path("model.path", cfg.model.path)
     check_model_path("ref_model", cfg.ref_model, required=False)
+    if cfg.parallel.cp_size > 1 and not cfg.packing:
+        raise ConfigError(f"parallel.cp_size={cfg.parallel.cp_size} splits packed rows over the cp ranks: set packing=true")
 
 
 def needs_reference(loss: str) -> bool:
@@ -318,6 +321,8 @@ def _load_reference(cfg: Config, device, *, pack: bool, share: bool) -> torch.nn
                            attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code, device=device)
     if pack:
         varlen.choose([model], m.attn_implementation, packing=cfg.packing, share=share)
+    if cfg.parallel.cp_size > 1:
+        enable_ulysses(model, cfg.parallel.cp_size, cfg.parallel.tp_size)
     return model
 
 
@@ -458,6 +463,8 @@ def train(cfg: Config) -> RunResult:
     # rejected response continuing it in the packed row where varlen applies, else both
     # responses in padded rows against its KV cache
     pack, share = varlen.choose([policy], m.attn_implementation, packing=cfg.packing, share=cfg.share_prompt and not kto)
+    if cfg.parallel.cp_size > 1:  # packed rows split over the cp ranks (models.cp)
+        enable_ulysses(policy, cfg.parallel.cp_size, cfg.parallel.tp_size)
     banner.start("dpo", cfg, model=policy, **facts)
     # ---- reference log-probs: once, before the first update (from the starting weights), cached in the run directory
     ckpt = frame.checkpoint_to_resume(run)

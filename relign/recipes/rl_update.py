@@ -21,6 +21,8 @@ micro-batch runs in one of three layouts, all giving the same per-token log-prob
               and groups (``group_size`` > 1), a group's prompt runs once: its other responses
               follow in the row as continuations of it (``varlen.segments``), each repeating
               the prompt's last token, whose logits score the response's first.
+              Under context parallel (``parallel.cp_size``) each cp rank runs its chunk of
+              the row and every cp rank gets the whole row's results (``models.cp``).
 
 Whatever the layout, results come back in the batch's row layout [n, L], so the losses,
 masks and metrics below never see it.
@@ -47,6 +49,7 @@ from ..algorithms.policy_losses import entropy_bonus_loss, gspo_loss, ppo_clip_l
 from ..algorithms.trpo import self_kl, surrogate_objective, token_kl, trpo_step
 from ..data.balance import micro_batch_plan
 from ..models import lean
+from ..models.cp import cp_token_logps, cp_values, whole_row
 from ..models.logprobs import PromptPrefix, prompt_prefix, response_token_logps, shared_prefix_token_logps, token_logps
 from ..models.varlen import continuation_starts, pack_index
 from ..optim import clip_gradients
@@ -174,7 +177,11 @@ def forward_logps(model, batch: RolloutBatch, rows: torch.Tensor, layout: Layout
         return lp * on, ent * on if ent is not None else None
     if layout.kind == "packed":
         ids, pos, rmask, where = _packed(batch, rows, layout.group_size)
-        lp, ent = token_logps(model, ids, position_ids=pos, target_mask=rmask, **kw)  # [1, S]
+        group = distributed.cp_group()
+        if group is None:
+            lp, ent = token_logps(model, ids, position_ids=pos, target_mask=rmask, **kw)  # [1, S]
+        else:  # context parallel: this rank runs its chunk of the row; every cp rank gets the whole row
+            lp, ent = (whole_row(x, group) for x in cp_token_logps(model, ids, pos, group, **kw))
         # a packed segment's first token is scored against the previous segment: never a target
         back = lambda x: x.new_zeros(len(rows), L).index_put((where[0], where[1]), x[0] * rmask[0])  # noqa: E731
         return back(lp), back(ent) if ent is not None else None
@@ -190,7 +197,8 @@ def forward_values(critic, batch: RolloutBatch, rows: torch.Tensor, layout: Layo
     L = batch.input_ids.shape[1]
     if layout.kind == "packed":
         ids, pos, rmask, where = _packed(batch, rows, layout.group_size)
-        v = critic(ids, position_ids=pos)  # [1, S]
+        group = distributed.cp_group()
+        v = critic(ids, position_ids=pos) if group is None else whole_row(cp_values(critic, ids, pos, group), group)  # [1, S]
         return v.new_zeros(len(rows), L).index_put((where[0], where[1]), v[0] * rmask[0])
     width = int(batch.seq_lens[rows].max())
     return F.pad(critic(batch.input_ids[rows, :width]), (0, L - width))

@@ -69,7 +69,8 @@ def _collate(examples: list[SFTExample], packing: bool, pad_id: int, device) -> 
 
 def _forward(model, mb: dict[str, torch.Tensor], cp_group=None) -> torch.Tensor:
     if cp_group is not None:  # parallel.cp_size > 1: this rank's chunk of the packed row (models.cp)
-        return cp_token_logps(model, mb["input_ids"], mb["position_ids"], cp_group) * mb["loss_mask"]
+        logps, _ = cp_token_logps(model, mb["input_ids"], mb["position_ids"], cp_group)
+        return logps * mb["loss_mask"]
     logps, _ = token_logps(
         model, mb["input_ids"], attention_mask=mb.get("attention_mask"), position_ids=mb.get("position_ids"),
         target_mask=mb["loss_mask"],

@@ -237,7 +237,7 @@ def _cp_logps_and_grads(model, ids, pos) -> dict:
     distributed.init_mesh(cp_size=2)
     group = distributed.mesh("cp").get_group()
     enable_ulysses(model, 2)
-    lp = cp_token_logps(model, ids, pos, group)
+    lp, _ = cp_token_logps(model, ids, pos, group)
     lp.sum().backward()
     mine = (lp != 0).nonzero()[:, 1].tolist()
     whole = lp.detach().clone()
@@ -273,4 +273,65 @@ def test_ulysses_context_parallel_equals_one_process_across_the_chunk_boundary(t
     for r in (a, b):
         torch.testing.assert_close(r["logps"], want, atol=1e-5, rtol=0)
         for n, p in ref.named_parameters():
+            torch.testing.assert_close(r["grads"][n], p.grad, atol=1e-5, rtol=1e-5, msg=n)
+
+
+def _cp_whole_rows(model, critic, ids, pos) -> dict:
+    """One rank of a cp = 2 mesh, as RL runs it: whole-row log-probs, entropy and values on every
+    rank (``whole_row``), one loss of them all, its backward, the gradients summed over cp."""
+    from relign import distributed
+    from relign.models.cp import cp_token_logps, cp_values, enable_ulysses, whole_row
+
+    distributed.init_mesh(cp_size=2)
+    group = distributed.cp_group()
+    enable_ulysses(model, 2)
+    enable_ulysses(critic, 2)
+    lp, ent = cp_token_logps(model, ids, pos, group, temperature=0.7, with_entropy=True, entropy_grad=True)
+    lp, ent, v = whole_row(lp, group), whole_row(ent, group), whole_row(cp_values(critic, ids, pos, group), group)
+    _loss(lp, ent, v).backward()
+    grads = {}
+    for n, p in [*model.named_parameters(), *critic.named_parameters(prefix="critic")]:
+        g = p.grad.clone()
+        dist.all_reduce(g, group=group)
+        grads[n] = g
+    return {"logps": lp.detach(), "entropy": ent.detach(), "values": v.detach(), "grads": grads}
+
+
+def _loss(lp, ent, v):
+    """A loss that weighs every column differently (a ratio-like term, an entropy bonus, a value error)."""
+    w = torch.linspace(-1.0, 2.0, lp.shape[1])[None]
+    return (w * lp.exp()).sum() - 0.1 * (w * ent).sum() + ((v - w) ** 2).sum()
+
+
+def test_context_parallel_whole_rows_entropy_and_values_equal_one_process(tiny_model_dir):
+    """What RL reads under cp = 2: every rank holds the whole packed row's log-probs (temperature
+    0.7), entropy (with its gradient) and critic values, equal to one process's within 1e-5; a
+    loss of all three on every rank backpropagates, summed over the cp ranks, to one process's
+    gradients of the policy and the critic. The row: 7 + 12 + 10 tokens, the middle sequence
+    crossing the chunk boundary; the values at rank 1's first targets read rank 0's last
+    hidden state."""
+    from transformers import AutoModelForCausalLM
+
+    from relign.models import varlen
+    from relign.models.logprobs import token_logps
+    from relign.models.value import ValueModel
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    critic = ValueModel(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)).eval()
+    torch.nn.init.normal_(critic.head.weight, std=0.1, generator=torch.Generator().manual_seed(1))  # not 0: values vary
+    assert varlen.enable(model) and varlen.enable(critic)
+    lens = [7, 12, 10]
+    ids = torch.randint(3, 200, (1, sum(lens)), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    ref, ref_critic = copy.deepcopy(model), copy.deepcopy(critic)
+    lp, ent = token_logps(ref, ids, position_ids=pos, temperature=0.7, with_entropy=True, entropy_grad=True)
+    v = ref_critic(ids, position_ids=pos)
+    _loss(lp, ent, v).backward()
+    want = dict(ref.named_parameters()) | dict(ref_critic.named_parameters(prefix="critic"))
+    for r in run_ranks(_cp_whole_rows, 2, model, critic, ids, pos):
+        torch.testing.assert_close(r["logps"], lp.detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(r["entropy"], ent.detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(r["values"], v.detach(), atol=1e-5, rtol=0)
+        assert r["values"][0, 15:18].abs().min() > 0  # rank 1's first targets are real values
+        for n, p in want.items():
             torch.testing.assert_close(r["grads"][n], p.grad, atol=1e-5, rtol=1e-5, msg=n)
