@@ -142,16 +142,14 @@ def _all_reduce(t: torch.Tensor, op, group=None) -> torch.Tensor:
     return out.to(t.device) if moved else out
 
 
-def all_reduce_sum(t: torch.Tensor, group: str = "dp") -> torch.Tensor:
-    """Sum over the data-parallel ranks (``group="world"``: over all ranks); a new tensor,
-    identity on one process. The tp ranks of a replica compute the same per-row results, so a
-    sum of those runs over dp, once per replica."""
-    return _all_reduce(t, dist.ReduceOp.SUM, _group(group)) if is_initialized() else t
-
-
-def all_reduce_in(t: torch.Tensor, group) -> torch.Tensor:
-    """Sum over the ranks of a process group (a mesh dimension's ``get_group()``)."""
-    return _all_reduce(t, dist.ReduceOp.SUM, group) if is_initialized() else t
+def all_reduce_sum(t: torch.Tensor, group: Any = "dp") -> torch.Tensor:
+    """Sum over the data-parallel ranks (``group="world"``: over all ranks; or a process group
+    itself, a mesh dimension's ``get_group()``); a new tensor, identity on one process. The tp
+    ranks of a replica compute the same per-row results, so a sum of those runs over dp, once per
+    replica."""
+    if not is_initialized():
+        return t
+    return _all_reduce(t, dist.ReduceOp.SUM, _group(group) if isinstance(group, str) else group)
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:

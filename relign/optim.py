@@ -99,13 +99,13 @@ def grad_norm_on_mesh(grads) -> torch.Tensor:
             # every split dimension: Shard, and FSDP's _StridedShard over tp's Shard (not a Shard subclass)
             groups = tuple(g.device_mesh.get_group(d) for d, pl in enumerate(g.placements) if not pl.is_replicate())
         buckets.setdefault(groups, []).append(torch.linalg.vector_norm(local, 2.0, dtype=torch.float64).square())
-    total = torch.zeros((), dtype=torch.float64)
+    total = None
     for groups, squares in buckets.items():
-        part = torch.stack(squares).sum().cpu()
+        part = torch.stack(squares).sum()  # on the gradients' device (no round trip through the CPU)
         for group in groups:  # a sum over one mesh dimension, then the next: over all the shards
-            part = distributed.all_reduce_in(part, group)
-        total = total + part
-    return total.sqrt()
+            part = distributed.all_reduce_sum(part, group)
+        total = part if total is None else total + part
+    return total.sqrt() if total is not None else torch.zeros((), dtype=torch.float64)
 
 
 def _clip_on_mesh(params, max_norm: float) -> float:

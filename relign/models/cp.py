@@ -7,9 +7,9 @@ token, so before it an all-to-all swaps the sequence split for a head split, (B,
 (B, H/cp, T, D), and after it the swap is reversed (DeepSpeed-Ulysses; veRL's
 ``ulysses_sequence_parallel_size``). Both all-to-alls are PyTorch's autograd
 one, so the backward swaps the gradients back. The attention between them is relign's varlen
-SDPA (``models.varlen``) on the whole row: it reads the sequences from the row's position ids,
-gathered from the chunks (each chunk's tokens keep their own position ids, so RoPE is right and
-a sequence may cross a chunk boundary). PyTorch's ``context_parallel`` is not used: it intercepts
+SDPA (``models.varlen``) on the whole row: it reads the sequences from the whole row's position
+ids, which every cp rank holds (each chunk's tokens keep their own position ids, so RoPE is right
+and a sequence may cross a chunk boundary). PyTorch's ``context_parallel`` is not used: it intercepts
 only the CUDA SDPA kernels (specs/parallel.md).
 
 Ulysses runs only inside ``chunked(...)`` (``cp_token_logps``, ``cp_values``); any other forward of the model
@@ -31,7 +31,8 @@ from .logprobs import entropy_from_logits, selective_log_softmax
 from .tp import check_heads
 
 NAME = "relign_ulysses"
-_ACTIVE = contextvars.ContextVar("relign_ulysses_active", default=None)  # the cp group while a chunked forward runs
+# (the cp group, the whole rows' position ids) while a chunked forward runs
+_ACTIVE = contextvars.ContextVar("relign_ulysses_active", default=None)
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -62,16 +63,14 @@ def _heads_to_seq(y: torch.Tensor, group, cp: int) -> torch.Tensor:
 def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' attention-function interface (query [B, H, t, D], key/value [B, H_kv, t, D]
     -> ([B, t, H, D], None)); outside ``chunked`` it is varlen SDPA as it is."""
-    group = _ACTIVE.get()
-    if group is None:
+    active = _ACTIVE.get()
+    if active is None:
         return varlen.varlen_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+    group, whole = active
     cp = dist.get_world_size(group)
-    pos = kwargs.get("position_ids")
-    if attention_mask is not None or pos is None:
+    if attention_mask is not None:
         raise RuntimeError("context parallel attention runs packed rows only: position ids and no attention mask")
-    pieces = [torch.empty_like(pos) for _ in range(cp)]
-    dist.all_gather(pieces, pos.contiguous(), group=group)  # the whole row's position ids: its sequence boundaries
-    kwargs["position_ids"] = torch.cat(pieces, dim=-1)
+    kwargs["position_ids"] = whole  # the whole row's: its sequence boundaries (every cp rank holds them)
     q, k, v = (_seq_to_heads(x, group, cp) for x in (query, key, value))
     out, _ = varlen.varlen_sdpa_attention(module, q, k, v, None, **kwargs)  # [B, T, H/cp, D]
     return _heads_to_seq(out, group, cp), None
@@ -97,9 +96,10 @@ def enable_ulysses(model, cp_size: int, tp_size: int = 1) -> None:
 
 
 @contextlib.contextmanager
-def chunked(group):
-    """Forwards inside run on this rank's chunk of each row, attention over the whole row."""
-    token = _ACTIVE.set(group)
+def chunked(group, position_ids: torch.Tensor):
+    """Forwards inside run on this rank's chunk of each row, attention over the whole row, whose
+    (padded) ``position_ids`` every cp rank holds: no exchange of them per layer."""
+    token = _ACTIVE.set((group, position_ids))
     try:
         yield
     finally:
@@ -112,8 +112,10 @@ def chunk_bounds(T: int, cp: int, c: int) -> tuple[int, int, int]:
     return n * cp, c * n, (c + 1) * n
 
 
-def _chunk(input_ids: torch.Tensor, position_ids: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """This cp rank's chunk [a, e) of each row (ids and position ids) and (a, last): its outputs
+def _chunk(input_ids: torch.Tensor, position_ids: torch.Tensor, group
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """This cp rank's chunk [a, e) of each row (ids and position ids), the whole padded rows'
+    position ids, and (a, last): its outputs
     at columns a .. last - 1 score targets a + 1 .. last (the last being the next chunk's first
     token). A row not a multiple of cp long is padded at its end with a sequence of its own
     (position ids from 0), which no real token attends to."""
@@ -124,7 +126,7 @@ def _chunk(input_ids: torch.Tensor, position_ids: torch.Tensor, group) -> tuple[
         pad = Tp - T
         input_ids = torch.cat([input_ids, input_ids.new_zeros(B, pad)], dim=1)
         position_ids = torch.cat([position_ids, torch.arange(pad, device=position_ids.device).expand(B, pad)], dim=1)
-    return input_ids[:, a:e], position_ids[:, a:e], a, min(e, T - 1)
+    return input_ids[:, a:e], position_ids[:, a:e], position_ids, a, min(e, T - 1)
 
 
 def _place(x: torch.Tensor, a: int, last: int, T: int) -> torch.Tensor:
@@ -143,8 +145,8 @@ def cp_token_logps(model, input_ids: torch.Tensor, position_ids: torch.Tensor, g
     ranks this is the whole row's (``whole_row``), and the sum of the ranks' losses
     backpropagates to the whole row's gradient (the attention all-to-alls carry each token's
     key and value gradients back to its rank)."""
-    ids, pos, a, last = _chunk(input_ids, position_ids, group)
-    with chunked(group):
+    ids, pos, whole, a, last = _chunk(input_ids, position_ids, group)
+    with chunked(group, whole):
         logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, : max(last - a, 0)]
     T = input_ids.shape[1]
     lp = selective_log_softmax(logits, input_ids[:, a + 1 : last + 1], temperature=temperature)
@@ -157,8 +159,8 @@ def cp_token_logps(model, input_ids: torch.Tensor, position_ids: torch.Tensor, g
 def cp_values(critic, input_ids: torch.Tensor, position_ids: torch.Tensor, group) -> torch.Tensor:
     """A ``ValueModel``'s V(x_<t) [B, T] (``values[:, t]`` read off the hidden state at t - 1, as
     its forward aligns them) at this cp rank's targets, 0 at the others' (as ``cp_token_logps``)."""
-    ids, pos, a, last = _chunk(input_ids, position_ids, group)
-    with chunked(group):
+    ids, pos, whole, a, last = _chunk(input_ids, position_ids, group)
+    with chunked(group, whole):
         v = critic(ids, position_ids=pos, shifted=False)[:, : max(last - a, 0)]  # V after reading each chunk token
     return _place(v, a, last, input_ids.shape[1])
 

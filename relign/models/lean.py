@@ -143,6 +143,16 @@ def plain():
         _ON.reset(token)
 
 
+def rms_norm(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``module``'s RMSNorm of ``x`` (one of ``NORMS``) with ``weight`` in place of its own: the
+    lean kernel where ``module`` runs it, else the same ops as its forward."""
+    if getattr(module, _ATTR, False) and torch.is_grad_enabled() and _ON.get():
+        return RMSNorm.apply(x, weight, module.variance_epsilon)
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+    return weight * h.to(x.dtype)
+
+
 def _lean_norm_forward(self, x):
     if torch.is_grad_enabled() and _ON.get():
         return RMSNorm.apply(x, self.weight, self.variance_epsilon)

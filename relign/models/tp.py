@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from . import lean
 
 # relign's table where a model's config has no plan: module paths under the base model
 PLAN = {
@@ -95,6 +96,9 @@ def apply_tp(model: torch.nn.Module, tp_mesh) -> torch.nn.Module:
         raise ConfigError(f"parallel.tp_size: no module of {type(model).__name__} matches its tensor-parallel plan")
     parallelize_module(base, tp_mesh, plan)
     for norm in reduce_grad:
+        if type(norm).__name__ not in lean.NORMS:  # its forward is rewritten: only where it is RMSNorm's exactly
+            raise ConfigError(f"parallel.tp_size: the model's tensor-parallel plan sums the weight gradient of a "
+                              f"{type(norm).__name__} over the tp ranks; relign does that for {', '.join(lean.NORMS)} only")
         norm.forward = types.MethodType(_norm_summing_weight_grad(tp_mesh.get_group()), norm)
     return model
 
@@ -116,13 +120,10 @@ class _SumGrad(torch.autograd.Function):
 
 
 def _norm_summing_weight_grad(group):
-    """An RMSNorm forward (Llama/Qwen's: in fp32, the product with the weight in the input's
-    dtype) whose weight gradient is summed over ``group``: Qwen3's q_norm and k_norm on a rank's
-    own heads."""
+    """An RMSNorm forward (one of ``lean.NORMS``: in fp32, the product with the weight in the
+    input's dtype; relign's lean kernel where the module runs it) whose weight gradient is summed
+    over ``group``: Qwen3's q_norm and k_norm on a rank's own heads."""
     def forward(self, x):
-        w = _SumGrad.apply(self.weight, group)
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return w * h.to(x.dtype)
+        return lean.rms_norm(self, x, _SumGrad.apply(self.weight, group))
 
     return forward

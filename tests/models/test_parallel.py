@@ -194,12 +194,15 @@ def test_two_d_mesh_gradients_and_clipping_with_mixed_placements():
         assert r["clipped"] < 1e-6
 
 
-def _qwen3_tp(model) -> dict:
+def _qwen3_tp(model, lean: bool) -> dict:
     from relign import distributed
+    from relign.models.lean import lean_activations
     from relign.models.tp import apply_tp
 
     distributed.init_mesh(tp_size=2)
     ref = copy.deepcopy(model)
+    if lean:  # relign's lean kernels first, as load_causal_lm applies them; the norms keep theirs under tp
+        assert lean_activations(model) > 0
     apply_tp(model, distributed.mesh("tp"))
     ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
     out = model(input_ids=ids).logits
@@ -211,18 +214,19 @@ def _qwen3_tp(model) -> dict:
     return {"logits": (out - want).abs().max().item(), "grads": grads}
 
 
-def test_qwen3_plan_sums_the_per_head_norms_gradients():
+@pytest.mark.parametrize("lean", [False, True])
+def test_qwen3_plan_sums_the_per_head_norms_gradients(lean):
     """Qwen3's own plan (transformers' base_model_tp_plan) on tp = 2: q_norm and k_norm are whole
     weights applied to each rank's own heads, so each rank's weight gradient is a partial sum over
     heads; 'replicated_with_grad_allreduce' sums it over the tp ranks. Logits and every gradient,
-    those norms' included, equal the unsharded model's."""
+    those norms' included, equal the unsharded model's, with relign's lean kernels too."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    for r in run_ranks(_qwen3_tp, 2, model):
+    for r in run_ranks(_qwen3_tp, 2, model, lean):
         assert r["logits"] < 1e-6
         norms = {n: e for n, e in r["grads"].items() if "q_norm" in n or "k_norm" in n}
         assert len(norms) == 4 and max(r["grads"].values()) < 1e-6, r["grads"]
