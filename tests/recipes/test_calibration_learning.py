@@ -15,12 +15,14 @@ from relign.recipes import rl, sft
 
 from ..conftest import torch_threads
 
-CONF = re.compile(r"conf: (\d+)")
+CONF = re.compile(r"conf:\s*(\d+)")  # the reader also reads "conf:7"
 
 
 def _stated(model_dir, q: float, seed: int = 123, n: int = 200):
-    """Stated P(left) and whether the answer was left, on n held-out records with fresh draws
-    (another seed), sampled at temperature 1; read here with a regex, not the reader under test."""
+    """Stated P(left) and whether the answer was left, for the samples that state one, on n
+    held-out records with fresh draws (another seed), sampled at temperature 1; read here with a
+    regex, not the reader under test. A sample that states nothing is left out, not read as 0.5:
+    a model that stopped stating confidences would otherwise score a near-zero ECE."""
     from transformers import AutoTokenizer
 
     from relign.models.loading import load_causal_lm
@@ -35,8 +37,9 @@ def _stated(model_dir, q: float, seed: int = 123, n: int = 200):
     conf, left = [], []
     for r, o in zip(recs, outs):
         m = CONF.fullmatch(o[0].text.strip())
-        conf.append(min(int(m[1]), 10) / 10 if m else 0.5)
-        left.append(float(r["extra_info"]["answer"] == "left"))
+        if m and int(m[1]) <= 10:  # a response that states nothing is left out, and counted by the caller
+            conf.append(int(m[1]) / 10)
+            left.append(float(r["extra_info"]["answer"] == "left"))
     return conf, left
 
 
@@ -71,6 +74,8 @@ def test_grpo_with_the_reader_reward_calibrates_stated_confidence(tiny_model_dir
                 "max_steps=40", "traces_per_step=0", "seed=1", *common]))
             conf1, left1 = _stated(run / "checkpoints" / "step_40", q)
             rewards = [r["reward/mean"] for r in result.history if "reward/mean" in r]
+            # silence is no calibration: nearly every sample must state a confidence, before and after
+            assert len(conf0) >= 180 and len(conf1) >= 180, (q, rule, len(conf0), len(conf1))
             before, after = _ece(conf0, left0), _ece(conf1, left1)
             means[q, rule] = sum(conf1) / len(conf1)
             print(q, rule, "ECE", before, "->", after, "mean p", sum(conf0) / len(conf0), "->", means[q, rule])
