@@ -71,7 +71,7 @@ def test_rl_on_a_gem_game_with_a_turn_limit(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("preset, package, extra", [
-    ("rg_chain_sum", "reasoning_gym", ["prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8", "eval.every=1",
+    ("rg_aiw", "reasoning_gym", ["prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8", "eval.every=1",
                                        "eval.max_rows=4", "eval.n=1", "eval.max_new_tokens=8", "task.rg.size=16"]),
     ("gem_guess_number", "gem", ["prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8", "task.max_rows=4"]),
 ])
