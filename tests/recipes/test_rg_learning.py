@@ -3,10 +3,10 @@ held-out problems (generated from the eval seed, none of them a training questio
 
 The dataset is reasoning-gym's ``aiw`` ("Alice in Wonderland") restricted to its siblings
 questions: "Susan has 5 sisters and she also has 3 brothers. How many sisters does James's brother
-have?" (answer: the sisters and Susan, 6). The warm start learns from 250 worked answers
-``" 5+1=6. <answer>6</answer>"`` x 32 and is right about 70% of the time at temperature 1; GRPO
-(reasoning-gym's own grader as the reward) makes it right about 90% of the time on questions it
-never saw. Accuracy here is measured by this file's own code: the last ``<answer>...</answer>`` of
+have?" (answer: the sisters and Susan, 6). The warm start learns from 225 steps of 32 worked
+answers ``" 5+1=6. <answer>6</answer>"``: its greedy answer is nearly always right, its samples at
+temperature 1 about 60% of the time; 100 steps of GRPO (reasoning-gym's own grader as the reward)
+make them right about 95% of the time on questions it never saw. Accuracy here is measured by this file's own code: the last ``<answer>...</answer>`` of
 each sample against the number of sisters read from the question plus one.
 """
 
@@ -23,7 +23,8 @@ from relign.recipes import rl, sft
 from ..conftest import torch_threads
 
 SIBLINGS = {"task_types": ["siblings"], "task_type_weights": [1.0]}
-TRAIN, HELDOUT, SEED = 1000, 400, 0
+TRAIN, HELDOUT, SEED = 1000, 400, 1
+SFT_STEPS, RL_STEPS = 225, 100
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 SISTERS = re.compile(r"(\d+) sisters\b")
 
@@ -79,14 +80,14 @@ def test_grpo_raises_heldout_accuracy_on_reasoning_gym(tiny_model_dir, tmp_path)
     with torch_threads(1):
         warm = sft.train(load_config(sft.Config, None, [
             f"model.path={tiny_model_dir}", f"data.path={tmp_path / 'warm.jsonl'}", f"run_dir={tmp_path / 'sft'}",
-            "max_steps=250", "batch_size=32", "micro_batch_size=32", "optim.lr=3e-3", "data.eval_fraction=0", *common]))
+            f"max_steps={SFT_STEPS}", "batch_size=32", "micro_batch_size=32", "optim.lr=3e-3", "data.eval_fraction=0", *common]))
         before = accuracy(warm.checkpoint, questions)
         run = tmp_path / "rl"
         rl.train(load_config(rl.Config, None, [
             f"model.path={warm.checkpoint}", *rg, "rollout.n=8", "prompts_per_step=16", "rollout.max_new_tokens=16",
             "rollout.temperature=1.0", "algorithm.scale_rewards=std", "optim.lr=1e-3", "optim.schedule=constant",
-            "max_steps=50", "traces_per_step=0", f"run_dir={run}", *common]))
-        after = accuracy(run / "checkpoints" / "step_50", questions)
+            f"max_steps={RL_STEPS}", "traces_per_step=0", f"run_dir={run}", *common]))
+        after = accuracy(run / "checkpoints" / f"step_{RL_STEPS}", questions)
     gain = [a - b for a, b in zip(after, before)]
     mean = sum(gain) / len(gain)
     se = (sum((g - mean) ** 2 for g in gain) / (len(gain) - 1) / len(gain)) ** 0.5
