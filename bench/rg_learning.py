@@ -1,17 +1,24 @@
-"""SFT warm start, then GRPO, on reasoning-gym's chain_sum; held-out accuracy before and after.
+"""SFT warm start, then GRPO, on reasoning-gym's aiw (siblings); held-out accuracy before and after.
 
-    PYTHONPATH=. python bench/rg_learning.py OUT --model tiny:shallow --sft-steps 300 --rl-steps 40 --rl-lr 1e-4
+    PYTHONPATH=. python bench/rg_learning.py OUT --seed 1
 
-1. the training problems: ``task.name=reasoning_gym``, chain_sum with 3 one-digit terms,
-   ``task.rg.size`` of them from the run's seed (``relign.envs.reasoning_gym``);
-2. SFT on them: the worked steps and the tagged answer (``4+5=9, 9-3=6. <answer>6</answer>``),
-   or, a ``--direct-frac`` share, the tagged answer alone;
-3. ``relign eval`` of the SFT checkpoint on the held-out problems (``eval_seed(seed)``, minus the
-   training questions), ``--eval-n`` samples per problem at temperature 1;
-4. GRPO from the SFT checkpoint (``examples/rg_chain_sum.yaml``'s settings, ``--rl-steps`` steps);
-5. the same eval of the GRPO checkpoint.
+The setup of ``tests/recipes/test_rg_learning.py``, with every knob an option:
 
-Prints one JSON line: the accuracies, the held-out count and the seconds of each stage.
+1. the problems: ``task.name=reasoning_gym``, ``aiw`` restricted to its siblings questions
+   ("Susan has 5 sisters and she also has 3 brothers. How many sisters does James's brother
+   have?", answer 6), ``--train`` of them from ``--seed``, the held-out ones from ``eval_seed(seed)``
+   minus every training question (``Task.load_heldout``);
+2. SFT on the training problems' worked answers (``" 5+1=6. <answer>6</answer>"``; a
+   ``--direct-frac`` share gives the tagged answer alone), ``--sft-steps`` x 32;
+3. held-out accuracy of the warm start: ``--eval-n`` samples per problem at temperature 1 (and one
+   greedy), read by this file (the last ``<answer>`` against the sisters in the question plus one);
+4. GRPO from the warm start, reasoning-gym's grader as the reward, ``--rl-steps`` steps of
+   16 prompts x 8 samples;
+5. the same held-out accuracy after.
+
+Prints one JSON line: the accuracies, the paired standard error of the gain, the held-out count
+and the seconds of each stage. ``--model`` defaults to the suite's ``tiny:micro`` (built in
+``OUT/model``).
 """
 
 from __future__ import annotations
@@ -23,81 +30,105 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from relign.config import load_config
 from relign.envs.tasks import get_task
-from relign.recipes import eval as eval_recipe
 from relign.recipes import rl, sft
 
-CONFIG = {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 1}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.recipes.test_rg_learning import SIBLINGS, accuracy, truth, worked  # noqa: E402
+
 LOG = ["logging.tensorboard=false", "logging.progress=false"]
-
-
-def worked(expression: str) -> str:
-    """``4 + 5 - 3`` -> ``4+5=9, 9-3=6. <answer>6</answer>`` (one operation per step)."""
-    t = expression.split()
-    total, steps = int(t[0]), []
-    for op, n in zip(t[1::2], t[2::2]):
-        new = total + int(n) if op == "+" else total - int(n)
-        steps.append(f"{total}{op}{n}={new}")
-        total = new
-    return ", ".join(steps) + f". <answer>{total}</answer>"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
-    p.add_argument("--model", default="tiny:shallow")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--train", type=int, default=2000, help="training problems (task.rg.size)")
-    p.add_argument("--sft-steps", type=int, default=300)
+    p.add_argument("--model", default="", help="a model folder (default: tiny:micro built in OUT/model)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--train", type=int, default=1000, help="training problems (task.rg.size)")
+    p.add_argument("--heldout", type=int, default=400, help="held-out problems generated (before dropping)")
+    p.add_argument("--sft-steps", type=int, default=225)
     p.add_argument("--sft-lr", type=float, default=3e-3)
+    p.add_argument("--sft-schedule", default="cosine")
     p.add_argument("--direct-frac", type=float, default=0.0)
-    p.add_argument("--rl-steps", type=int, default=40)
-    p.add_argument("--rl-lr", type=float, default=1e-4)
-    p.add_argument("--eval-rows", type=int, default=100)
+    p.add_argument("--rl-steps", type=int, default=100)
+    p.add_argument("--rl-lr", type=float, default=1e-3)
+    p.add_argument("--rl-warmup", type=int, default=0)
     p.add_argument("--eval-n", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1)
     a = p.parse_args(argv)
-    rg = ["task.name=reasoning_gym", "task.chat=false", "task.rg.system_prompt=''", f"task.rg.size={a.train}",
-          "task.reward_workers=0", f"task.rg.config={{chain_sum: {json.dumps(CONFIG)}}}", f"seed={a.seed}"]
-    task = get_task("reasoning_gym", chat=False, rg={"system_prompt": "", "size": a.train, "config": {"chain_sum": CONFIG}})
-    rng = random.Random(a.seed)
-    rows = []
-    for r in task.load(seed=a.seed):
-        expression = r["prompt"].split(": ", 1)[1].rstrip(" =")
-        answer = f"<answer>{r['extra_info']['answer']}</answer>"
-        rows.append({"prompt": r["prompt"], "response": answer if rng.random() < a.direct_frac else worked(expression)})
+    torch.set_num_threads(a.threads)
     a.out.mkdir(parents=True, exist_ok=True)
+    model = a.model
+    if not model:
+        from relign.models.tiny import build_tiny_model
+
+        model = str(a.out / "model")
+        build_tiny_model(model, arch="qwen2", size="micro", seed=0)
+    opts = {"system_prompt": "", "size": a.train, "eval_size": a.heldout, "datasets": {"aiw": 1.0}, "config": {"aiw": SIBLINGS}}
+    task = get_task("reasoning_gym", chat=False, rg=opts)
+    train = task.load(seed=a.seed)
+    heldout, dropped = task.load_heldout(seed=a.seed, train_rows=a.train)
+    questions = [r["prompt"] for r in heldout]
+    rng = random.Random(a.seed)
+    rows = [{"prompt": r["prompt"], "response": f" <answer>{truth(r['prompt'])}</answer>" if rng.random() < a.direct_frac
+             else worked(r["prompt"])} for r in train]
     (a.out / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = [f"seed={a.seed}", *LOG]
     times = {}
-
-    def evaluate(model: Path, name: str) -> dict:
-        t0 = time.perf_counter()
-        cfg = load_config(eval_recipe.Config, None, [f"model.path={model}", *rg, f"task.max_rows={a.eval_rows}",
-                                                     f"n={a.eval_n}", "temperature=1.0", "max_new_tokens=32",
-                                                     f"run_dir={a.out / name}", "logging.progress=false"])
-        eval_recipe.train(cfg)
-        times[name] = time.perf_counter() - t0
-        return json.loads((a.out / name / "eval.json").read_text())["metrics"]
-
     t0 = time.perf_counter()
-    sft.train(load_config(sft.Config, None, [f"model.path={a.model}", f"data.path={a.out / 'sft.jsonl'}",
-                                             "data.chat_template=false", f"max_steps={a.sft_steps}", "batch_size=32",
-                                             "micro_batch_size=32", f"optim.lr={a.sft_lr}", f"seed={a.seed}",
-                                             f"run_dir={a.out / 'sft'}", *LOG]))
+    warm = sft.train(load_config(sft.Config, None, [
+        f"model.path={model}", f"data.path={a.out / 'sft.jsonl'}", f"run_dir={a.out / 'sft'}", f"max_steps={a.sft_steps}",
+        "batch_size=32", "micro_batch_size=32", f"optim.lr={a.sft_lr}", f"optim.schedule={a.sft_schedule}", "data.eval_fraction=0", *common]))
     times["sft"] = time.perf_counter() - t0
-    warm = a.out / "sft" / "checkpoints" / f"step_{a.sft_steps}"
-    before = evaluate(warm, "eval_sft")
+
+    def measure(path) -> tuple[list[float], float]:
+        t0 = time.perf_counter()
+        sampled = accuracy(path, questions, a.eval_n)
+        greedy_ok = accuracy_greedy(path, questions)
+        times.setdefault("eval", 0.0)
+        times["eval"] += time.perf_counter() - t0
+        return sampled, greedy_ok
+
+    before, greedy_before = measure(warm.checkpoint)
+    rg = ["task.name=reasoning_gym", "task.chat=false", "task.rg.system_prompt=''", f"task.rg.size={a.train}",
+          "task.reward_workers=0", "task.rg.datasets={aiw: 1}", f"task.rg.config={{aiw: {json.dumps(SIBLINGS)}}}"]
     t0 = time.perf_counter()
-    rl.train(load_config(rl.Config, None, [f"model.path={warm}", *rg, "rollout.n=8", "rollout.max_new_tokens=32",
-                                           "rollout.temperature=1.0", "prompts_per_step=16", f"max_steps={a.rl_steps}",
-                                           f"optim.lr={a.rl_lr}", "optim.schedule=constant", "eval.every=0",
-                                           "traces_per_step=0", f"run_dir={a.out / 'rl'}", *LOG]))
+    rl.train(load_config(rl.Config, None, [
+        f"model.path={warm.checkpoint}", *rg, "rollout.n=8", "prompts_per_step=16", "rollout.max_new_tokens=16",
+        "rollout.temperature=1.0", "algorithm.scale_rewards=std", f"optim.lr={a.rl_lr}", "optim.schedule=constant",
+        f"optim.warmup_steps={a.rl_warmup}", f"max_steps={a.rl_steps}", "traces_per_step=0", f"run_dir={a.out / 'rl'}",
+        *common]))
     times["rl"] = time.perf_counter() - t0
-    after = evaluate(a.out / "rl" / "checkpoints" / f"step_{a.rl_steps}", "eval_rl")
-    print(json.dumps({"accuracy_sft": before["accuracy"], "accuracy_rl": after["accuracy"],
-                      "heldout_problems": before["num_problems"], "seconds": {k: round(v, 1) for k, v in times.items()},
+    after, greedy_after = measure(a.out / "rl" / "checkpoints" / f"step_{a.rl_steps}")
+    gain = [x - y for x, y in zip(after, before)]
+    mean = sum(gain) / len(gain)
+    se = (sum((g - mean) ** 2 for g in gain) / (len(gain) - 1) / len(gain)) ** 0.5
+    print(json.dumps({"accuracy_sft": round(sum(before) / len(before), 4), "accuracy_rl": round(sum(after) / len(after), 4),
+                      "greedy_sft": round(greedy_before, 4), "greedy_rl": round(greedy_after, 4), "gain_se": round(se, 4),
+                      "heldout_problems": len(questions), "dropped": dropped,
+                      "seconds": {k: round(v, 1) for k, v in times.items()},
                       "args": {k: str(v) for k, v in vars(a).items()}}))
     return 0
+
+
+def accuracy_greedy(model_dir, questions: list[str]) -> float:
+    """The share of questions the greedy answer gets right (what sharpening at temperature 1 can reach)."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    from relign.models.loading import load_causal_lm
+    from relign.rollout.engine import SamplingParams
+    from relign.rollout.hf_engine import HFEngine
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    engine = HFEngine(load_causal_lm(str(model_dir)).eval(), tok, seed=0)
+    outs = engine.generate([tok(q)["input_ids"] for q in questions], SamplingParams(temperature=0.0, max_new_tokens=16))
+    said = [re.findall(r"<answer>(.*?)</answer>", g[0].text) for g in outs]
+    return sum(bool(s) and s[-1].strip() == str(truth(q)) for q, s in zip(questions, said)) / len(questions)
 
 
 if __name__ == "__main__":

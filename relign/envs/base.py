@@ -181,6 +181,9 @@ class Task:
     env: str | None = None
     """A multi-turn environment class by spec (``"relign.envs.calculator:CalculatorEnv"``): the
     task's episodes then run turn by turn and the environment's rewards train."""
+    env_max_turns: int | None = None
+    """The environment's own turn limit (GEM: the game's ``max_turns``, read when the task builds
+    it), which ``rollout.max_turns=0`` takes; None: the env class's ``max_turns`` attribute, if any."""
     generate_spec: str | None = None
     """A procedural task's record generator by spec, ``fn(n, seed, chat=..., **generate_kwargs) ->
     records``, used by ``load()`` (training problems, ``seed``) and ``load_heldout()`` (held-out

@@ -248,7 +248,10 @@ def task(*, chat: bool = False, system_prompt: str | None = None, gem: dict[str,
     kwargs = dict(opts.get("kwargs") or {})
     check_env_id(env_id)
     with rng_guard():
-        make_game(env_id, kwargs)
+        game = make_game(env_id, kwargs)
+    # rollout.max_turns=0 takes the game's own limit: every game of gem-llm 0.1.0 has one, except that a -random
+    # variant draws it again at every reset (GuessTheNumber-v0-random: 4 to 8 turns), so it has no fixed one
+    limit = None if env_id.endswith("-random") else getattr(game, "max_turns", None)
     json.dumps(kwargs)  # the options travel in every record: they must be plain values
     size, eval_size = int(opts.get("size", 1024)), int(opts.get("eval_size", 64))
     if size < 1 or eval_size < 1:
@@ -256,6 +259,7 @@ def task(*, chat: bool = False, system_prompt: str | None = None, gem: dict[str,
     return Task(
         name=NAME, parse_row=_no_rows, template="{observation}", reward_spec="relign.envs.gem_env:episode_reward",
         chat=chat, system_prompt=system_prompt or None, env="relign.envs.gem_env:GemEnv",
+        env_max_turns=limit if isinstance(limit, int) and limit > 0 else None,
         generate_spec="relign.envs.gem_env:generate",
         generate_kwargs={"env_id": env_id, "kwargs": kwargs, "success_reward": float(opts.get("success_reward", 1.0)),
                          "system_prompt": system_prompt or ""},

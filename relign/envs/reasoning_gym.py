@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import ast
 import difflib
+import enum
 import functools
 import importlib
 import importlib.metadata
 import json
 import random
+import typing
 from typing import Any
 
 from relign.data.readers import DataError
@@ -79,11 +81,35 @@ def check_dataset(name: str) -> None:
 # --------------------------------------------------------------------------- records
 
 
+def _typed(name: str, config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with each value given as text turned into the enum its option is typed as: YAML and
+    JSON have no enums, and a generator compares with and reads ``.value`` of its own (``aiw``'s
+    ``task_types: [siblings]`` is ``[TaskType.SIBLINGS]``; ``word_sorting``'s ``transformation``)."""
+    cls = _rg().factory.DATASETS[name][1]
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # an annotation this Python cannot resolve: pass the options as given
+        return config
+    out = dict(config)
+    for key, value in config.items():
+        hint = hints.get(key)
+        many = typing.get_origin(hint) in (list, tuple)
+        kind = typing.get_args(hint)[0] if many and typing.get_args(hint) else hint
+        if not (isinstance(kind, type) and issubclass(kind, enum.Enum)):
+            continue
+        try:
+            out[key] = [kind(v) for v in value] if many and isinstance(value, (list, tuple)) else kind(value)
+        except ValueError:
+            raise ConfigError(f"task.rg.config.{name}.{key}={value}: expected {'a list of ' if many else ''}"
+                              f"{', '.join(str(m.value) for m in kind)}") from None
+    return out
+
+
 @functools.lru_cache(maxsize=64)
 def _dataset(name: str, config_json: str, seed: int, size: int):
     """The dataset object (built once per worker and key: some generators load word lists)."""
     with rng_guard():
-        return _rg().create_dataset(name, **json.loads(config_json), seed=seed, size=size)
+        return _rg().create_dataset(name, **_typed(name, json.loads(config_json)), seed=seed, size=size)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -133,6 +159,8 @@ def _defuse(dataset) -> None:
 def _build(name: str, config: dict[str, Any], seed: int, size: int):
     try:
         return _dataset(name, _key(config), seed, size)
+    except ConfigError:
+        raise
     except (TypeError, ValueError, AssertionError) as e:  # an unknown option, or one the generator's validate() rejects
         msg = " ".join(str(e).split())[:200] or type(e).__name__
         raise ConfigError(f"task.rg.config.{name}={config}: reasoning-gym refuses it: {msg}") from None

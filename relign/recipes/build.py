@@ -148,6 +148,25 @@ def task_for(t: TaskConfig):
                       features=dict(t.features))
 
 
+def env_turn_limit(task, env_spec: str) -> int:
+    """``rollout.max_turns=0``: the multi-turn environment's own turn limit, ``task.env_max_turns``
+    (a GEM game's ``max_turns``, read when the task built it) or the env class's ``max_turns``
+    attribute; a one-line ``ConfigError`` naming ``rollout.max_turns`` when it has none."""
+    if not env_spec:
+        raise ConfigError(f"rollout.max_turns=0 takes the environment's own turn limit, but task '{task.name}' has no "
+                          "multi-turn environment: set rollout.max_turns >= 1")
+    limit = task.env_max_turns if env_spec == task.env else None
+    if limit is None:
+        try:
+            limit = getattr(load_function(env_spec), "max_turns", None)
+        except (ValueError, TypeError, FileNotFoundError) as e:
+            raise ConfigError(f"task.env: {e}") from None
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ConfigError(f"rollout.max_turns=0 takes the environment's own max_turns, but task '{task.name}' ({env_spec}) "
+                          "has no fixed one: set rollout.max_turns >= 1")
+    return limit
+
+
 def collector_for(task, t: TaskConfig, ro: RolloutConfig, rw: LearnedRewardConfig, tokenizer, engine, *,
                   m: ModelConfig, device, seed: int):
     """Prompts, reward workers (or the multi-turn environment) and the learned reward of a run."""

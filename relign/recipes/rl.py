@@ -26,6 +26,7 @@ examples/ name the published algorithms; see docs/rl.md for the table.
 from __future__ import annotations
 
 import math
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -64,6 +65,7 @@ from .rl_config import (  # noqa: F401
     TrpoConfig, VineConfig, check_eval_during_training
 )
 from .rl_config import check as _check
+from .rl_config import check_budget
 from .rl_update import ActorLoss, Layout, Stats, plan, score_logps, score_values, trpo_update, update_critic, update_policy
 
 
@@ -101,6 +103,11 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
     task = build.task_for(t)
     env = t.env or task.env or ""
     check_eval_during_training(cfg.eval, task=t.name, env=env)
+    if ro.max_turns == 0:  # the environment's own turn limit (a GEM game's max_turns)
+        ro.max_turns = build.env_turn_limit(task, env)
+        check_budget(cfg)
+        if distributed.is_main():
+            print(f"rollout.max_turns=0: the environment's own limit, {ro.max_turns} turns", file=sys.stderr, flush=True)
     estimator = ESTIMATORS[a.advantage]
     delimiter = cfg.vine.delimiter or task.step_delimiter or ""
     if estimator.check_task is not None:

@@ -34,7 +34,8 @@ class RolloutConfig(SamplingConfig):
     ignore_eos: bool = False
     """Generate exactly max_new_tokens (benchmarks)."""
     max_turns: int = 1
-    """Model turns per episode with a multi-turn environment (task.env, or a task that has one)."""
+    """Model turns per episode with a multi-turn environment (task.env, or a task that has one); 0 = the environment's
+    own max_turns (a GEM game's turn limit; an error if it has none)."""
     fast_decode: bool = True
     """HF engine: decode Llama/Qwen2/Qwen3 models with relign's own one-token step (matmul attention over the preallocated cache, no per-token mask rebuild); false = the model's forward."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
@@ -267,11 +268,11 @@ def check_counts(cfg: Config) -> None:
     """Every count, size and rate: one line naming the key and its value (0 means off or all
     where the field's doc says so, and only there)."""
     check_positive(cfg, "max_steps", "prompts_per_step", "nan_patience", "rollout.n", "rollout.max_new_tokens",
-                   "rollout.max_turns", "rollout.max_batch_rows", "rollout.top_p", "task.max_prompt_length",
+                   "rollout.max_batch_rows", "rollout.top_p", "task.max_prompt_length",
                    "task.reward_timeout", "algorithm.ppo_epochs", "algorithm.mini_batches", "algorithm.max_sampling_rounds",
                    "reward.batch_size", "reward.max_length", "critic.lr")
     check_non_negative(cfg, "max_seconds", "max_tokens_per_micro", "micro_batch_size", "traces_per_step", "rollout.top_k", "rollout.overlap_threads",
-                       "rollout.max_response_tokens", "rollout.min_new_tokens", "task.max_rows", "task.reward_workers",
+                       "rollout.max_turns", "rollout.max_response_tokens", "rollout.min_new_tokens", "task.max_rows", "task.reward_workers",
                        "task.format_weight", "algorithm.clip_low", "algorithm.clip_high", "algorithm.kl_coef",
                        "algorithm.entropy_coef", "algorithm.kl_clamp", "algorithm.tis_cap", "algorithm.overlong_cache",
                        "algorithm.overlong_factor", "critic.value_clip", "eval.every", "eval.max_rows",
@@ -342,9 +343,8 @@ def check(cfg: Config) -> None:
     estimator = ESTIMATORS[a.advantage]
     if estimator.compares_samples and ro.n < 2:
         raise ConfigError(f"algorithm.advantage={a.advantage} compares samples of a prompt: set rollout.n >= 2")
-    budget = ro.max_response_tokens or ro.max_new_tokens * ro.max_turns
-    if a.overlong == "penalty" and not 0 <= a.overlong_cache <= budget:
-        raise ConfigError(f"algorithm.overlong_cache={a.overlong_cache} must lie in [0, {budget}] (the episode's token budget)")
+    if ro.max_turns or ro.max_response_tokens:  # else the budget is known once the env's own max_turns is (rl._setup)
+        check_budget(cfg)
     if a.mini_batches > cfg.prompts_per_step:
         raise ConfigError(f"algorithm.mini_batches={a.mini_batches} > prompts_per_step={cfg.prompts_per_step}: mini-batches "
                           "are made of whole groups (a group's samples are never split)")
@@ -363,6 +363,14 @@ def check(cfg: Config) -> None:
     check_model_path("model.path", cfg.model.path)
     check_model_path("critic.path", cfg.critic.path, required=False)
     check_model_path("reward.model", cfg.reward.model, required=False)
+
+
+def check_budget(cfg: Config) -> None:
+    """algorithm.overlong_cache against the episode's token budget (max_response_tokens, else max_new_tokens x max_turns)."""
+    a, ro = cfg.algorithm, cfg.rollout
+    budget = ro.max_response_tokens or ro.max_new_tokens * ro.max_turns
+    if a.overlong == "penalty" and not 0 <= a.overlong_cache <= budget:
+        raise ConfigError(f"algorithm.overlong_cache={a.overlong_cache} must lie in [0, {budget}] (the episode's token budget)")
 
 
 def check_off_policy(cfg: Config) -> None:

@@ -71,7 +71,7 @@ def test_rl_on_a_gem_game_with_a_turn_limit(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("preset, package, extra", [
-    ("rg_chain_sum", "reasoning_gym", ["prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8", "eval.every=1",
+    ("rg_aiw", "reasoning_gym", ["prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8", "eval.every=1",
                                        "eval.max_rows=4", "eval.n=1", "eval.max_new_tokens=8", "task.rg.size=16"]),
     ("gem_guess_number", "gem", ["prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8", "task.max_rows=4"]),
 ])
@@ -83,3 +83,47 @@ def test_presets_run_as_shipped(preset, package, extra, tiny_model_dir, tmp_path
             f"run_dir={run}", *COMMON)
     rows = [r for r in read_metrics(run) if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2]
+
+
+def test_rl_on_gem_with_max_turns_0_plays_to_the_games_own_limit(tiny_model_dir, tmp_path):
+    """rollout.max_turns=0 takes the game's own max_turns (here set to 3 through task.gem.kwargs, the
+    preset's game having 4): a model taught to answer with a boxed guess plays every game it does not
+    win to exactly that many turns, where GEM truncates it (finish_reason max_turns)."""
+    pytest.importorskip("gem")
+    from relign.config import load_config
+    from relign.envs.tasks import get_task
+    from relign.recipes import sft
+
+    from ..conftest import torch_threads
+
+    game = ["task.name=gem", "task.gem.env_id=game:GuessTheNumber-v0-easy", "task.gem.kwargs={max_turns: 3}"]
+    records = get_task("gem", chat=False, gem={"env_id": "game:GuessTheNumber-v0-easy", "kwargs": {"max_turns": 3}}).load(
+        max_rows=8, seed=0)
+    rows = [{"prompt": r["prompt"], "response": f"\\boxed{{{g}}}"} for r in records for g in (1, 2)]
+    (tmp_path / "guesses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with torch_threads(1):  # a warm start that answers in the game's format (a random model never boxes a number)
+        warm = sft.train(load_config(sft.Config, None, [
+            f"model.path={tiny_model_dir}", f"data.path={tmp_path / 'guesses.jsonl'}", f"run_dir={tmp_path / 'sft'}",
+            "max_steps=60", "batch_size=8", "micro_batch_size=8", "optim.lr=1e-2", "data.eval_fraction=0",
+            "logging.progress=false", "logging.tensorboard=false"]))
+    run = tmp_path / "run"
+    proc = run_cli("rl", f"model.path={warm.checkpoint}", *game, "task.chat=false", "rollout.max_turns=0",
+                   "rollout.stop=['}']", "rollout.max_new_tokens=8", "rollout.max_response_tokens=400", "max_steps=1", "task.max_rows=4", "rollout.n=4",
+                   "prompts_per_step=2", "traces_per_step=8", f"run_dir={run}", *COMMON)
+    assert "rollout.max_turns=0: the environment's own limit, 3 turns" in proc.stderr
+    traces = _jsonl(run / "rollouts" / "step_1.jsonl")
+    assert len(traces) == 8
+    # every episode ends by the game: a win (reward 1) before the limit, or GEM's truncation at turn 3
+    limit = [t for t in traces if t["finish_reason"] == "max_turns"]
+    assert limit and all(t["response"].count("\\boxed{") == 3 for t in limit), [t["response"] for t in traces]
+    assert all(t["finish_reason"] == "max_turns" or t["reward"] == 1.0 for t in traces), traces
+
+
+def test_max_turns_0_needs_an_environment_with_a_turn_limit(tiny_model_dir, tmp_path):
+    pytest.importorskip("gem")
+    for task in (["task.name=gem", "task.gem.env_id=game:GuessTheNumber-v0-random"],  # a limit drawn per game
+                 ["task.name=countdown"]):  # single-turn: no environment at all
+        proc = run_cli("rl", f"model.path={tiny_model_dir}", *task, "rollout.max_turns=0", "max_steps=1",
+                       f"run_dir={tmp_path / 'run'}", *COMMON, check=False)
+        last = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode != 0 and "rollout.max_turns=0" in last and "set rollout.max_turns >= 1" in last, proc.stderr

@@ -127,6 +127,22 @@ def test_the_games_turn_limit_reaches_the_driver_as_max_turns(tokenizer):
     assert group_b.turns == 1 and group_b.finish_reason == "stop" and group_b.score == 1.0 and group_b.reward == 1.0
 
 
+def test_the_task_knows_the_games_own_turn_limit():
+    """rollout.max_turns=0 reads Task.env_max_turns: the max_turns of the game as configured, and none
+    for a -random variant, which draws its limit at every reset."""
+    from relign.recipes.build import env_turn_limit
+
+    for env_id, kwargs in ((EASY, {}), ("game:GuessTheNumber-v0-hard", {}), (EASY, {"max_turns": 3}),
+                           ("game:Mastermind-v0-easy", {})):
+        task = get_task("gem", gem={"env_id": env_id, "kwargs": kwargs})
+        assert task.env_max_turns == gem.make(env_id, **kwargs).max_turns == env_turn_limit(task, task.env)
+    assert [get_task("gem", gem={"env_id": e}).env_max_turns for e in (EASY, "game:GuessTheNumber-v0-hard")] == [4, 7]
+    random_game = get_task("gem", gem={"env_id": "game:GuessTheNumber-v0-random"})
+    assert random_game.env_max_turns is None
+    with pytest.raises(ConfigError, match=r"rollout\.max_turns=0 .* has no fixed one: set rollout\.max_turns >= 1"):
+        env_turn_limit(random_game, random_game.env)
+
+
 def test_observations_extend_the_text_in_plain_and_chat_mode(tokenizer):
     plain = get_task("gem", chat=False, gem={"env_id": EASY}).load(max_rows=1, seed=4)[0]
     state = plain["prompt"]

@@ -196,6 +196,28 @@ def test_unknown_dataset_names_the_closest():
     assert "\n" not in msg and "'chain_summ'" in msg and "chain_sum" in msg.split("did you mean")[1]
 
 
+def test_options_typed_as_enums_are_given_as_text():
+    """YAML has no enums: aiw's task_types [siblings] (and word_sorting's transformation) reach the
+    generator as its own enum members; without that, aiw failed on 'str' has no attribute 'value'."""
+    from reasoning_gym.logic.aiw import TaskType
+
+    cfg = {"task_types": ["siblings"], "task_type_weights": [1.0]}
+    records = _task(datasets={"aiw": 1.0}, config={"aiw": cfg}).load(max_rows=12, seed=3)
+    theirs = rg.create_dataset("aiw", seed=3, size=12, task_types=[TaskType.SIBLINGS], task_type_weights=[1.0])
+    assert [r["prompt"] for r in records] == [theirs[i]["question"] for i in range(12)]
+    assert all("sisters does" in r["prompt"] for r in records)  # the siblings templates only
+    for r in records:  # the reward rebuilds the entry from the record's text options too
+        graded = _task(datasets={"aiw": 1.0}, config={"aiw": cfg}).reward(r["prompt"], f"<answer>{r['extra_info']['answer']}</answer>",
+                                                                       r["extra_info"])
+        assert graded["score"] == 1.0
+    with pytest.raises(ConfigError, match=r"task\.rg\.config\.aiw\.task_types=\['sibling'\]: expected a list of siblings") as e:
+        _task(datasets={"aiw": 1.0}, config={"aiw": {"task_types": ["sibling"]}}).load(max_rows=2)
+    assert "\n" not in str(e.value)
+    (rec,) = _task(datasets={"word_sorting": 1.0}, config={"word_sorting": {"transformation": "uppercase"}}).load(max_rows=1)
+    words = rgt.entry(rec["extra_info"]["rg"])["metadata"]["transformed_words"]
+    assert words == [w.upper() for w in words] and rec["extra_info"]["answer"].isupper()
+
+
 def test_rejected_generator_options_are_one_line():
     with pytest.raises(ConfigError, match=r"task\.rg\.config\.chain_sum=.*max_terms") as e:
         _task(config={"chain_sum": {"min_terms": 5, "max_terms": 2}}).load(max_rows=2)

@@ -205,3 +205,24 @@ def test_prompts_that_do_not_divide_across_ranks(monkeypatch):
     with pytest.raises(ConfigError, match=r"prompts_per_step=3 does not divide across 2 ranks"):
         rl._check(_cfg("prompts_per_step=3"))
     rl._check(_cfg("prompts_per_step=4"))
+
+
+class _FiveTurns:
+    max_turns = 5
+
+    async def step(self, state, action, extra_info):
+        return {"next_state": state + action, "reward": 0.0, "score": 0.0, "done": True, "extra_info": extra_info}
+
+
+def test_max_turns_0_reads_the_env_classes_own_limit():
+    """rollout.max_turns=0 with a task.env class: its max_turns attribute, else one line naming the key."""
+    from relign.config import ConfigError
+    from relign.envs.tasks import get_task
+    from relign.recipes.build import env_turn_limit
+
+    task = get_task("calculator")
+    assert env_turn_limit(task, f"{__name__}:_FiveTurns") == 5
+    with pytest.raises(ConfigError, match=r"rollout\.max_turns=0 .*calculator.*CalculatorEnv\) has no fixed one"):
+        env_turn_limit(task, task.env)
+    with pytest.raises(ConfigError, match=r"rollout\.max_turns=0 .* task 'gsm8k' has no multi-turn environment"):
+        env_turn_limit(get_task("gsm8k"), "")
