@@ -77,9 +77,33 @@ def test_staleness_one_samples_with_the_weights_one_update_old(tiny_model_dir, t
     assert (step2["old"] - theta1).abs().max() < 1e-5  # pi_prox: the weights before step 2's update
     w = torch.exp(theta1 - theta0)
     assert rows[1]["actor/behav_is_mean"] == pytest.approx(_masked_mean(w.clamp(max=CAP), m), abs=1e-5)
+    wc = w.clamp(max=CAP).double()
+    std = _masked_mean((wc - _masked_mean(wc, m)) ** 2, m) ** 0.5
+    assert std > 1e-3 and rows[1]["actor/behav_is_std"] == pytest.approx(std, rel=1e-3, abs=1e-5)
     assert rows[1]["actor/behav_is_capped_frac"] == pytest.approx(_masked_mean((w > CAP).float(), m), abs=1e-6)
     assert rows[1]["actor/behav_kl"] == pytest.approx(_masked_mean(theta0 - theta1, m), abs=1e-5)
     assert rows[1]["actor/logp_mismatch"] == pytest.approx(_masked_mean((theta0 - theta1).abs(), m), abs=1e-5)
+    assert rows[0]["actor/behav_is_std"] < 1e-5  # step 1 is not stale: its weights are 1 up to rounding
+
+
+def test_behaviour_weight_spread_of_weights_near_one():
+    """Weights within 5e-7 of 1 (a fresh batch: engine and trainer differ by rounding only) have a
+    spread of about 3e-7; E[w^2] - E[w]^2 in float32 made it 3e-4 (or 0), rounding noise."""
+    from types import SimpleNamespace
+
+    from relign.recipes.rl_update import Stats
+
+    g = torch.Generator().manual_seed(0)
+    w = 1.0 + (torch.rand(8, 40, generator=g) - 0.5) * 1e-6
+    m = (torch.rand(8, 40, generator=g) > 0.3).float()
+    stats = Stats()
+    batch = SimpleNamespace(response_mask=m, sampling_logps=torch.zeros(8, 40))
+    rl.behaviour_stats(stats, w, torch.zeros_like(w, dtype=torch.bool), torch.zeros(8, 40), batch, mode="truncate")
+    out = stats.reduce()
+    rl.behaviour_spread(out)
+    wd = w.double()
+    want = _masked_mean((wd - _masked_mean(wd, m)) ** 2, m) ** 0.5
+    assert out["actor/behav_is_std"] == pytest.approx(want, rel=1e-3)
 
 
 def test_mask_mode_drops_the_tokens_above_the_cap_and_counts_them(tiny_model_dir, tmp_path, monkeypatch):
