@@ -205,7 +205,8 @@ def torch_threads(n: int):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Modules with the most slow tests first (a stable sort): with ``--dist loadscope
+    """Modules with the most slow-test seconds first (a stable sort; a slow test counts 10 s unless
+    its mark says more: ``@pytest.mark.slow(seconds=60)``): with ``--dist loadscope
     --no-loadscope-reorder`` (pyproject's addopts), xdist hands out whole modules in this order
     as workers free up, so the longest runs start at once and the short modules pack around
     them. (Plain ``--dist load`` gives each worker a chunk of consecutive tests up front, and
@@ -216,7 +217,8 @@ def pytest_collection_modifyitems(config, items):
     slow: dict[str, int] = {}
     for item in items:
         module = item.nodeid.split("::")[0]
-        slow[module] = slow.get(module, 0) + (item.get_closest_marker("slow") is not None)
+        mark = item.get_closest_marker("slow")
+        slow[module] = slow.get(module, 0) + (mark.kwargs.get("seconds", 10) if mark is not None else 0)
     items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])
 
 

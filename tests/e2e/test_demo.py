@@ -28,6 +28,7 @@ def demo_run(tmp_path_factory):
     return tmp / "run", proc
 
 
+@pytest.mark.slow(seconds=150)  # its fixture runs the short demo: started first (conftest)
 def test_short_demo_learns_and_reports(demo_run):
     run, proc = demo_run
     result = json.loads((run / "demo.json").read_text())

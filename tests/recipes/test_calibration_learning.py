@@ -53,7 +53,7 @@ def _ece(conf, outcome, bins=10):
     return total
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=50)  # started first (conftest): the longest single tests
 def test_grpo_with_the_reader_reward_calibrates_stated_confidence(tiny_model_dir, tmp_path):
     rng = random.Random(0)
     rows = [{"prompt": TEMPLATE.replace("{feature}", "room"), "response": f"conf: {rng.randint(1, 9)}"} for _ in range(256)]

@@ -59,7 +59,7 @@ def accuracy(model_dir, questions: list[str], samples: int = 4) -> list[float]:
     return right
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=60)  # started first (conftest): the longest single tests
 def test_grpo_raises_heldout_accuracy_on_reasoning_gym(tiny_model_dir, tmp_path):
     pytest.importorskip("reasoning_gym")
     from relign.envs.tasks import get_task
