@@ -115,10 +115,9 @@ def chunk_bounds(T: int, cp: int, c: int) -> tuple[int, int, int]:
 def _chunk(input_ids: torch.Tensor, position_ids: torch.Tensor, group
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
     """This cp rank's chunk [a, e) of each row (ids and position ids), the whole padded rows'
-    position ids, and (a, last): its outputs
-    at columns a .. last - 1 score targets a + 1 .. last (the last being the next chunk's first
-    token). A row not a multiple of cp long is padded at its end with a sequence of its own
-    (position ids from 0), which no real token attends to."""
+    position ids, and (a, last): its outputs at columns a .. last - 1 score targets a + 1 .. last
+    (the last being the next chunk's first token). A row not a multiple of cp long is padded at
+    its end with a sequence of its own (position ids from 0), which no real token attends to."""
     cp, c = dist.get_world_size(group), dist.get_rank(group)
     B, T = input_ids.shape
     Tp, a, e = chunk_bounds(T, cp, c)
