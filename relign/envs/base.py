@@ -217,15 +217,11 @@ class Task:
         if isinstance(fields.get("messages"), list):
             # A row that already is a conversation stays one (whatever ``chat`` says): joining
             # the turns into raw text would lose the roles.
-            msgs = list(fields["messages"])
-            if self.system_prompt and not (msgs and msgs[0].get("role") == "system"):
-                msgs.insert(0, {"role": "system", "content": self.system_prompt})
-            return msgs
+            return with_system_prompt({"messages": fields["messages"]}, self.system_prompt)["messages"]
         text = render(self.template, fields)
-        if self.chat:
-            sys_msg = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-            return [*sys_msg, {"role": "user", "content": text}]
-        return f"{self.system_prompt}\n\n{text}" if self.system_prompt else text
+        record = {"messages": [{"role": "user", "content": text}]} if self.chat else {"prompt": text}
+        record = with_system_prompt(record, self.system_prompt)
+        return record["messages"] if self.chat else record["prompt"]
 
     def load(self, path: str | None = None, split: str | None = None, max_rows: int = 0, seed: int = 0) -> list[dict[str, Any]]:
         """RL records from a file, a dataset folder or a hub id (``"openai/gsm8k:main"``).
@@ -254,7 +250,10 @@ class Task:
         if self.generate_spec is None:
             raise ValueError(f"task '{self.name}' is not procedural (it has no generate_spec)")
         with rng_guard():  # a generator may seed or draw from the global streams (reasoning-gym's pool_matrix does)
-            return load_function(self.generate_spec)(n, seed, chat=self.chat, **self.generate_kwargs)
+            records = load_function(self.generate_spec)(n, seed, chat=self.chat, **self.generate_kwargs)
+        if "system_prompt" in self.generate_kwargs:  # the generator puts it in itself (reasoning-gym, GEM)
+            return records
+        return [with_system_prompt(r, self.system_prompt) for r in records]
 
     def load_heldout(self, path: str | None = None, split: str | None = None, max_rows: int = 0, seed: int = 0,
                      *, train_rows: int = 0) -> tuple[list[dict[str, Any]], int]:
@@ -309,6 +308,20 @@ class Task:
         if self.equal_spec is None:
             return a == b
         return bool(self._spec_fn("_equal_fn", self.equal_spec)(a, b))
+
+
+def with_system_prompt(record: dict[str, Any], system_prompt: str | None) -> dict[str, Any]:
+    """``record`` (its ``messages`` or its ``prompt``) with ``system_prompt`` first, as every task
+    puts it: a system turn before a conversation that has none; before plain text, the prompt and
+    a blank line."""
+    if not system_prompt:
+        return record
+    if isinstance(record.get("messages"), list):
+        msgs = list(record["messages"])
+        if not (msgs and msgs[0].get("role") == "system"):
+            msgs.insert(0, {"role": "system", "content": system_prompt})
+        return {**record, "messages": msgs}
+    return {**record, "prompt": f"{system_prompt}\n\n{record['prompt']}"}
 
 
 # --------------------------------------------------------------------------- train / held-out split

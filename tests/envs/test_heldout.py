@@ -119,3 +119,24 @@ def test_arith_demo_splits_are_disjoint(seed):
     train, test = arith.make_splits(300, 100, seed=seed)
     assert len(train) == 300 and len(test) == 100
     assert {p["expression"] for p in train}.isdisjoint(p["expression"] for p in test)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("name", ["calibration", "calculator"])
+def test_the_system_prompt_reaches_every_generated_record_once(name, chat):
+    """task.system_prompt on a task whose records a generator writes (calibration's and the
+    calculator's ignored it): each training and held-out record starts with it, once, as a row
+    read from a file would (a system turn in chat, the text and a blank line before plain text)."""
+    from relign.envs.tasks import get_task
+
+    plain = get_task(name, chat=chat)
+    t = get_task(name, chat=chat, system_prompt="Answer briefly.")
+    want = t.generate(4, 0)
+    for bare, got in zip(plain.generate(4, 0), want):
+        if chat:
+            assert got["messages"] == [{"role": "system", "content": "Answer briefly."}, *bare["messages"]]
+        else:
+            assert got["prompt"] == "Answer briefly.\n\n" + bare["prompt"]
+    heldout, _ = t.load_heldout(max_rows=4, train_rows=8)
+    assert all((r["messages"][0]["content"] if chat else r["prompt"].split("\n\n")[0]) == "Answer briefly." for r in heldout)
+    assert all(str(r).count("Answer briefly.") == 1 for r in [*want, *heldout])
