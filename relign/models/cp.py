@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+from .. import distributed
 from ..errors import ConfigError
 from . import varlen
 from .logprobs import entropy_from_logits, selective_log_softmax
@@ -172,9 +173,7 @@ class _SumOverChunks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
+        return distributed.all_reduce_sum(x, group)
 
     @staticmethod
     def backward(ctx, grad):

@@ -95,6 +95,8 @@ def open(cfg: Any, recipe: str, *, check: Callable[[Any], Any] | None = None, se
         if par.cp_size > 1 and recipe not in ("sft", "rl", "dpo"):
             raise ConfigError(f"parallel.cp_size={par.cp_size}: context parallel trains sft, dpo and rl in this version "
                               f"(relign {recipe} runs tensor and data parallel)")
+        if par.cp_size > 1 and not getattr(cfg, "packing", False):
+            raise ConfigError(f"parallel.cp_size={par.cp_size} splits packed rows over the cp ranks: set packing=true")
         distributed.init_mesh(par.tp_size, par.cp_size)
     if check is not None:
         check(cfg)

@@ -354,8 +354,6 @@ def check(cfg: Config) -> None:
     check_choice("update", cfg.update, ("ppo", "trpo"))
     if cfg.update == "trpo":
         check_trpo(cfg)
-    if cfg.parallel.cp_size > 1 and not cfg.packing:
-        raise ConfigError(f"parallel.cp_size={cfg.parallel.cp_size} splits packed rows over the cp ranks: set packing=true")
     world = distributed.world_size()  # every rank samples its share with its own engine, whatever the mesh
     if cfg.prompts_per_step % world:
         raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} does not divide across {world} ranks "

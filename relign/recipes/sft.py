@@ -58,8 +58,6 @@ def _check(cfg: Config) -> None:
     if not cfg.data.path:
         raise ConfigError("missing value for 'data.path': give a data file, a dataset folder or a hub id")
     check_model_path("model.path", cfg.model.path)
-    if cfg.parallel.cp_size > 1 and not cfg.packing:
-        raise ConfigError(f"parallel.cp_size={cfg.parallel.cp_size} splits packed rows over the cp ranks: set packing=true")
 
 
 def _collate(examples: list[SFTExample], packing: bool, pad_id: int, device) -> dict[str, torch.Tensor]:
