@@ -1,4 +1,4 @@
-"""The GPU checks of issue 15, in one command, through relign's public API only.
+"""The GPU checks of issues 15 and 38, in one command, through relign's public API only.
 
     python bench/gpu_checks.py                 # on a GPU: Qwen2.5-0.5B-shaped random model, bf16
     python bench/gpu_checks.py --smoke         # anywhere (CPU): a tiny shape, a few steps; what the suite runs
@@ -12,12 +12,21 @@ with the tiny local tokenizer (its ids are a subset of the vocabulary; nothing i
           (uniform), ``model.dtype=bf16-mixed``, SDPA attention.
           MFU = tokens/s x (6 N + 6 L d T_mean) / peak bf16 FLOP/s (N: all parameters, the LM
           head included since it runs at every trained position; 6 L d T: causal attention).
-  dpo     pairs/s, prompts of --seq-len/8 tokens, responses of --seq-len/4, reference precomputed.
+  dpo     pairs/s, prompts of --seq-len/16 to /8 tokens, responses of /16 to /4, reference precomputed.
   grpo    step seconds by stage (rollout, reward, reference, update, sync) on the HF engine:
           --prompts x G=8 completions of exactly --new-tokens tokens (EOS banned), β = 0.04.
   decode  the HF engine's tokens/s at --decode-rows rows, bf16 weights, against the bandwidth
           bound: rows x bandwidth / (weight bytes + the rows' KV-cache bytes at the mean
           context), i.e. every decode step reads all weights and the whole cache once.
+  lora    the grpo check with ``model.lora.enabled=true`` (r 16, all linear layers): the reference
+          is the base model with the adapter disabled, the sync moves the adapter only.
+  torchrun  one GRPO step through the real launch path: ``torchrun --standalone
+          --nproc_per_node 1 -m relign rl ...`` (NCCL). On one process ``wrap_fsdp`` is a no-op and
+          NCCL refuses two ranks on one GPU, so FSDP2 itself needs two GPUs.
+
+Every check records the CUDA allocator's peak (``torch.cuda.max_memory_allocated``, reset
+before it; for torchrun the child's own peak is not seen). The JSON at --out is rewritten after
+every check, so a run stopped at its time limit still leaves the checks it finished.
 
 Peak FLOP/s and bandwidth come from the device name (H100 SXM: 989 TFLOP/s bf16 dense, 3.35
 TB/s; H100 PCIe: 756, 2.0; H200: 989, 4.8); ``--peak-tflops`` / ``--bandwidth-tbs`` override.
@@ -140,8 +149,10 @@ def run_dpo(a, model_dir: Path, tmp: Path, tok, device: str) -> dict:
 
     rng = random.Random(1)
     p, r = a.seq_len // 8, a.seq_len // 4
-    rows = [{"prompt": text_of(tok, p, rng), "chosen": text_of(tok, r, rng), "rejected": text_of(tok, r, rng)}
-            for _ in range(a.batch * (a.steps + 1))]
+    # lengths drawn as real pairs have them: with every pair cut to one length, cuDNN attention's
+    # per-shape graphs (turned off by relign, models.loading.no_cudnn_attention) would always hit
+    rows = [{"prompt": text_of(tok, rng.randint(p // 2, p), rng), "chosen": text_of(tok, rng.randint(r // 4, r), rng),
+             "rejected": text_of(tok, rng.randint(r // 4, r), rng)} for _ in range(a.batch * (a.steps + 1))]
     data = write_jsonl(tmp / "dpo.jsonl", rows)
     cfg = load_config(preference.Config, None, [
         f"model.path={model_dir}", f"model.dtype={a.dtype}", f"data.path={data}", f"data.max_length={p + r + 8}",
@@ -156,27 +167,58 @@ def run_dpo(a, model_dir: Path, tmp: Path, tok, device: str) -> dict:
             "steps_timed": len(steps)}
 
 
-def run_grpo(a, model_dir: Path, tmp: Path, tok, device: str) -> dict:
-    from relign.config import load_config
-    from relign.recipes import rl
-
+def grpo_args(a, model_dir: Path, tmp: Path, tok, device: str, name: str, steps: int, extra: tuple = ()) -> list[str]:
+    """The overrides of a GRPO run on random prompts: --prompts x G = 8 completions of exactly
+    --new-tokens tokens, KL to the reference in the loss (beta 0.04)."""
     rng = random.Random(2)
-    prompts = write_jsonl(tmp / "prompts.jsonl", [{"prompt": text_of(tok, a.seq_len // 16, rng), "answer": "0"}
-                                                   for _ in range(a.prompts * (a.steps + 1))])
-    cfg = load_config(rl.Config, None, [
+    prompts = write_jsonl(tmp / f"{name}.jsonl", [{"prompt": text_of(tok, a.seq_len // 16, rng), "answer": "0"}
+                                                   for _ in range(a.prompts * (steps + 1))])
+    return [
         f"model.path={model_dir}", f"model.dtype={a.dtype}", "task.name=custom", f"task.path={prompts}",
         f"task.reward_fn={Path(__file__).resolve()}:reward", "task.chat=false", "task.reward_workers=0",
         "rollout.n=8", f"rollout.max_new_tokens={a.new_tokens}", f"rollout.min_new_tokens={a.new_tokens}",
         "algorithm.kl=loss", "algorithm.kl_coef=0.04", f"prompts_per_step={a.prompts}", f"micro_batch_size={a.micro}",
-        f"max_steps={a.steps}", "optim.lr=1e-6", f"device={device}", "logging.progress=false", "logging.tensorboard=false",
-        "checkpoint.save_every=0", "checkpoint.save_final=false", "traces_per_step=0", f"run_dir={tmp / 'grpo'}",
-    ])
-    hist = rl.train(cfg).history
-    steps = timed_rows(hist, "time/step_s", a.warmup)
-    stages = {k.removeprefix("time/").removesuffix("_s"): median([r[k] for r in steps])
-              for k in sorted(steps[0]) if k.startswith("time/") and k.endswith("_s")}
-    return {"check": "grpo", "rows_per_step": a.prompts * 8, "new_tokens": a.new_tokens, "seconds": stages,
-            "steps_timed": len(steps)}
+        f"max_steps={steps}", "optim.lr=1e-6", f"device={device}", "logging.progress=false", "logging.tensorboard=false",
+        "checkpoint.save_every=0", "checkpoint.save_final=false", "traces_per_step=0", f"run_dir={tmp / name}", *extra,
+    ]
+
+
+def stage_seconds(hist: list[dict], warmup: int) -> tuple[dict, int]:
+    """The median seconds of every ``time/*_s`` stage over the timed steps, and their count."""
+    steps = timed_rows(hist, "time/step_s", warmup)
+    return ({k.removeprefix("time/").removesuffix("_s"): median([r[k] for r in steps])
+             for k in sorted(steps[0]) if k.startswith("time/") and k.endswith("_s")}, len(steps))
+
+
+def run_grpo(a, model_dir: Path, tmp: Path, tok, device: str, lora: bool = False) -> dict:
+    from relign.config import load_config
+    from relign.recipes import rl
+
+    extra = ("model.lora.enabled=true", "model.lora.r=16", "optim.lr=1e-5") if lora else ()
+    steps = a.lora_steps if lora else a.grpo_steps
+    name = "lora" if lora else "grpo"
+    cfg = load_config(rl.Config, None, grpo_args(a, model_dir, tmp, tok, device, name, steps, extra))
+    stages, n = stage_seconds(rl.train(cfg).history, min(a.warmup, steps - 1))
+    return {"check": name, "rows_per_step": a.prompts * 8, "new_tokens": a.new_tokens, "seconds": stages, "steps_timed": n}
+
+
+def run_torchrun(a, model_dir: Path, tmp: Path, tok, device: str) -> dict:
+    """One GRPO step as users launch it: torchrun, one process, NCCL on a GPU (gloo on a CPU)."""
+    import subprocess
+
+    from relign.tracking import read_metrics
+
+    args = grpo_args(a, model_dir, tmp, tok, device, "torchrun", 1)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "relign", "rl", *args]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.torchrun_timeout)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        return {"check": "torchrun", "ok": False, "returncode": proc.returncode, "stderr_tail": proc.stderr[-3000:], "launch_wall_s": wall}
+    hist = read_metrics(tmp / "torchrun")
+    stages, _ = stage_seconds(hist, 0)
+    # relign.distributed.init picks NCCL when CUDA is available, gloo otherwise
+    return {"check": "torchrun", "ok": True, "backend": "nccl" if device == "cuda" else "gloo", "seconds": stages, "launch_wall_s": wall}
 
 
 def run_decode(a, model_dir: Path, tok, n_params: int, shape: dict, bandwidth: float, device: str) -> dict:
@@ -217,16 +259,38 @@ def run_decode(a, model_dir: Path, tok, n_params: int, shape: dict, bandwidth: f
             "prefill_included": True}
 
 
+def peak_text(r: dict) -> str:
+    return f", peak {r['peak_gib']:.1f} GiB" if r.get("peak_gib") is not None else ""
+
+
+def write_json(path: str, out: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1))
+
+
+def driver_version() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shape, few steps, CPU or GPU: checks the script runs")
-    p.add_argument("--checks", default="sft,dpo,grpo,decode")
+    p.add_argument("--checks", default="sft,decode,grpo,dpo,lora,torchrun", help="in this order: the first ones matter most")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=32, help="rows (sft) / pairs (dpo) per optimizer step")
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--prompts", type=int, default=16, help="GRPO prompts per step (x G = 8)")
+    p.add_argument("--grpo-steps", type=int, default=3)
+    p.add_argument("--lora-steps", type=int, default=2)
+    p.add_argument("--torchrun-timeout", type=float, default=300)
     p.add_argument("--new-tokens", type=int, default=512)
     p.add_argument("--decode-rows", type=int, default=64)
     p.add_argument("--decode-repeats", type=int, default=3)
@@ -239,6 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if a.smoke:
         a.seq_len, a.batch, a.micro, a.steps, a.warmup, a.prompts, a.new_tokens = 128, 4, 2, 2, 1, 2, 8
+        a.grpo_steps, a.lora_steps = 2, 2
         a.decode_rows, a.decode_repeats = 4, 1
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
@@ -252,12 +317,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     tmp = Path(tempfile.mkdtemp(prefix="relign-gpu-checks-"))
     results: list[dict] = []
+    out = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": name, "peak_flops": peak, "bandwidth_bytes_per_s": bandwidth,
+           "shape": shape, "args": vars(a), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "driver": driver_version() if device == "cuda" else None, "results": results}
     try:
         model_dir = tmp / "model"
-        n_params = build_model(model_dir, shape)
+        n_params = out["parameters"] = build_model(model_dir, shape)
         tok = load_tokenizer(str(model_dir))
         for c in checks:
             t0 = time.perf_counter()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
             if c == "sft":
                 res = run_sft(a, model_dir, tmp, tok, n_params, shape, peak, device)
             elif c == "dpo":
@@ -266,32 +337,38 @@ def main(argv: list[str] | None = None) -> dict:
                 res = [run_grpo(a, model_dir, tmp, tok, device)]
             elif c == "decode":
                 res = [run_decode(a, model_dir, tok, n_params, shape, bandwidth, device)]
+            elif c == "lora":
+                res = [run_grpo(a, model_dir, tmp, tok, device, lora=True)]
+            elif c == "torchrun":
+                res = [run_torchrun(a, model_dir, tmp, tok, device)]
             else:
                 p.error(f"unknown check {c!r}")
             for r in res:
                 r["wall_s"] = time.perf_counter() - t0
+                r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" and c != "torchrun" else None
                 print(json.dumps(r), flush=True)
             results.extend(res)
+            write_json(a.out, out)  # after every check: a run stopped at its limit keeps what it finished
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    out = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": name, "peak_flops": peak, "bandwidth_bytes_per_s": bandwidth,
-           "parameters": n_params, "shape": shape, "args": vars(a), "torch": torch.__version__, "results": results}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1))
+    write_json(a.out, out)
     lines = [f"GPU checks on {name} ({n_params / 1e6:.0f}M parameters, {a.dtype}, torch {torch.__version__})", "",
              "| check | figure |", "|---|---|"]
     for r in results:
         if r["check"] == "sft":
             mfu = f", MFU {r['mfu']:.1%}" if r["mfu"] is not None else ""
-            lines.append(f"| SFT {r['mode']}, {a.seq_len} tokens max | {r['tokens_per_s']:,.0f} tokens/s{mfu} |")
+            lines.append(f"| SFT {r['mode']}, {a.seq_len} tokens max | {r['tokens_per_s']:,.0f} tokens/s{mfu}{peak_text(r)} |")
         elif r["check"] == "dpo":
-            lines.append(f"| DPO | {r['pairs_per_s']:.2f} pairs/s |")
-        elif r["check"] == "grpo":
-            lines.append(f"| GRPO step, {r['rows_per_step']} x {r['new_tokens']} tokens | "
-                         + ", ".join(f"{k} {v:.2f} s" for k, v in r["seconds"].items()) + " |")
+            lines.append(f"| DPO | {r['pairs_per_s']:.2f} pairs/s{peak_text(r)} |")
+        elif r["check"] in ("grpo", "lora"):
+            lines.append(f"| {'LoRA ' if r['check'] == 'lora' else ''}GRPO step, {r['rows_per_step']} x {r['new_tokens']} tokens | "
+                         + ", ".join(f"{k} {v:.2f} s" for k, v in r["seconds"].items()) + peak_text(r) + " |")
+        elif r["check"] == "torchrun":
+            what = (f"{r['backend']}, " + ", ".join(f"{k} {v:.2f} s" for k, v in r["seconds"].items())) if r["ok"] else f"FAILED ({r['returncode']})"
+            lines.append(f"| torchrun, 1 process, one GRPO step | {what}; launch to exit {r['launch_wall_s']:.0f} s |")
         else:
             frac = f" = {r['fraction_of_bound']:.0%} of the bound {r['bound_tokens_per_s']:,.0f}" if r["bound_tokens_per_s"] else ""
-            lines.append(f"| decode, {r['rows']} rows | {r['tokens_per_s']:,.0f} tokens/s{frac} |")
+            lines.append(f"| decode, {r['rows']} rows | {r['tokens_per_s']:,.0f} tokens/s{frac}{peak_text(r)} |")
     print("\n".join(lines))
     return out
 

@@ -22,7 +22,7 @@ import torch
 
 from ..data.preference import encode_prompt_response
 from . import lean
-from .loading import _check_source, disable_dropout, load_causal_lm, load_tokenizer, resolve_dtype, resolve_model_path
+from .loading import _check_source, disable_dropout, load_causal_lm, load_tokenizer, resolve_dtype, resolve_model_path, to_device
 from .logprobs import right_pad
 from .precision import autocast_dtype, enable_autocast
 
@@ -84,7 +84,7 @@ def load_reward_model(path: str, *, dtype: str = "fp32", attn_implementation: st
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    model.to(device)
+    to_device(model, device)
     if autocast_dtype(dtype) is not None:
         enable_autocast(model, autocast_dtype(dtype))
     if lean_activations:

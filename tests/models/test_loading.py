@@ -162,3 +162,27 @@ def test_reward_model_dropout_off_in_train_mode(tiny_model_dir, tmp_path):
     with torch.no_grad():
         a, b = _backbone(model)(IDS).last_hidden_state, _backbone(model)(IDS).last_hidden_state
     assert torch.equal(a, b)
+
+
+def test_a_model_placed_on_a_gpu_keeps_sdpa_off_cudnn(tiny_model_dir, monkeypatch):
+    """On a GPU, relign's attention shapes change at nearly every call, and cuDNN's attention
+    builds a graph per shape (BENCHMARKS.md, the H200 run: packed SFT 4.4x faster without it).
+    Both loaders, asked for a CUDA device, leave SDPA's cuDNN kernel off; here ``Module.to``
+    records the device instead of moving (no GPU on this machine)."""
+    from relign.models.reward import load_reward_model
+
+    moved = []
+    real_to = torch.nn.Module.to
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moved.append(a[0]) or self if a and str(a[0]).startswith("cuda")
+                        else real_to(self, *a, **k))
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        for load in (load_causal_lm, load_reward_model):
+            torch.backends.cuda.enable_cudnn_sdp(True)
+            load(str(tiny_model_dir), device="cpu")
+            assert torch.backends.cuda.cudnn_sdp_enabled()  # a CPU run changes nothing
+            load(str(tiny_model_dir), device="cuda")
+            assert not torch.backends.cuda.cudnn_sdp_enabled(), load.__name__
+        assert moved == ["cuda", "cuda"]
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
