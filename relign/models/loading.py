@@ -54,12 +54,12 @@ def no_cudnn_attention() -> None:
     cuDNN's attention builds an execution graph for every new shape (query and key lengths,
     batch) and caches it by shape. relign's shapes change at nearly every call: packed rows hold
     other sequences each micro-batch, padded ones another longest row, and every decode step has
-    one more key. On an H200 (torch 2.11, which prefers cuDNN on Hopper) each call then cost ~2.5-3
-    ms of host time in the backward's graph build: packed SFT of the 0.5B model ran at 9,220
-    tokens/s against 27,102 padded with the same GPU time (2.2 s in both profiles; host 15.5 s
-    against 4.7 s), and a decode step took 65 ms at 64 rows. Flash attention has no per-shape
-    set-up. The switch is process-wide (``torch.backends.cuda.enable_cudnn_sdp``), as relign's
-    models all run in one process with the same variable shapes."""
+    one more key. On an H200 (torch 2.11, which prefers cuDNN on Hopper) each attention backward
+    then took 2.5-3 ms of host time: packed SFT of the 0.5B model ran at 9,220 tokens/s against
+    27,102 padded, with the same GPU time (2.2 s in both profiles; host 15.5 s against 4.7 s).
+    Without cuDNN: 40,738 and 49,010 (BENCHMARKS.md, "On a GPU"). Flash attention has no
+    per-shape set-up. The switch is process-wide (``torch.backends.cuda.enable_cudnn_sdp``), as
+    relign's models all run in one process with the same variable shapes."""
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
