@@ -14,7 +14,7 @@ the engine and the reader are left out, so nothing but the objective and the mod
   log 1e-4), plus ``--entropy`` times the entropy of pi_f (both modes). No sampling.
 * ``sampled``: GRPO on the digit: ``--prompts`` records per step (rooms in turn), each with its own
   hidden answer drawn with q_f, G = 8 digits sampled per record, advantage = reward minus the
-  group's mean, reward = 5 + log clip(f_y, 1e-4) as ``reward.kind=reader``.
+  group's mean, reward = log clip(f_y, 1e-4) as ``reward.kind=reader`` (its offset cancels).
 
 Both use AdamW at ``--lr`` (constant). The warm start is ``relign sft`` on ``--warm`` steps of the
 two rooms' prompts answered ``conf: N`` with N uniform in 1..9 (the learning test's warm start, with
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 from pathlib import Path
@@ -69,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     from transformers import AutoTokenizer
 
+    from relign.algorithms.scoring import log_score
     from relign.envs.calibration import TEMPLATE
     from relign.models.loading import load_causal_lm
     from relign.models.tiny import build_tiny_model
@@ -87,7 +87,10 @@ def main(argv: list[str] | None = None) -> None:
     prefix = tok.convert_tokens_to_ids(tok.tokenize("conf: "))
     ids = {f: torch.tensor([tok(TEMPLATE.replace("{feature}", f))["input_ids"] + prefix]) for f in Q}
     d10 = torch.arange(10) / 10
-    score = {f: q * d10.clamp_min(EPS).log() + (1 - q) * (1 - d10).clamp_min(EPS).log() for f, q in Q.items()}
+    # the reader's log score of each stated digit, per outcome (a non-digit states nothing: log eps)
+    s_left = torch.tensor([log_score(d / 10, EPS) for d in range(10)])
+    s_right = torch.tensor([log_score(1 - d / 10, EPS) for d in range(10)])
+    score = {f: q * s_left + (1 - q) * s_right for f, q in Q.items()}  # its expectation over room f's outcomes
 
     def logpi(f: str) -> torch.Tensor:
         return model(ids[f]).logits[0, -1].float().log_softmax(-1)
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         if a.mode == "exact":
             for f in Q:
                 lp = logpi(f)
-                s = torch.full_like(lp, math.log(EPS))
+                s = torch.full_like(lp, log_score(0.0, EPS))
                 s[digits] = score[f]
                 loss = loss - (lp.exp() * s).sum() + a.entropy * (lp.exp() * lp).sum()
         else:
@@ -116,10 +119,9 @@ def main(argv: list[str] | None = None) -> None:
                 left = rng.random() < Q[f]
                 lp = logpi(f)
                 tokens = torch.multinomial(lp.exp(), 8, replacement=True, generator=gen)
-                pos = (tokens[:, None] == digits[None]).float().argmax(-1)
-                is_digit = (tokens[:, None] == digits[None]).any(-1)
-                stated = d10[pos] if left else 1 - d10[pos]
-                reward = 5 + torch.where(is_digit, stated.clamp_min(EPS).log(), torch.tensor(math.log(EPS)))
+                hit = tokens[:, None] == digits[None]
+                reward = torch.where(hit.any(-1), (s_left if left else s_right)[hit.float().argmax(-1)],
+                                     torch.tensor(log_score(0.0, EPS)))  # the reader reward's offset cancels in A
                 loss = loss - (((reward - reward.mean()) * lp[tokens]).mean() - a.entropy * (lp.exp() * lp).sum()) / a.prompts
         opt.zero_grad()
         loss.backward()

@@ -37,7 +37,7 @@ from relign.envs.tasks import get_task
 from relign.recipes import rl, sft
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.recipes.test_rg_learning import SIBLINGS, accuracy, truth, worked  # noqa: E402
+from tests.recipes.test_rg_learning import SIBLINGS, accuracy, paired_gain, rg_overrides, truth, worked  # noqa: E402
 
 LOG = ["logging.tensorboard=false", "logging.progress=false"]
 
@@ -87,48 +87,28 @@ def main(argv=None) -> int:
     def measure(path) -> tuple[list[float], float]:
         t0 = time.perf_counter()
         sampled = accuracy(path, questions, a.eval_n)
-        greedy_ok = accuracy_greedy(path, questions)
+        greedy = accuracy(path, questions, samples=1, temperature=0.0)  # what sharpening at temperature 1 can reach
+        greedy_ok = sum(greedy) / len(greedy)
         times.setdefault("eval", 0.0)
         times["eval"] += time.perf_counter() - t0
         return sampled, greedy_ok
 
     before, greedy_before = measure(warm.checkpoint)
-    rg = ["task.name=reasoning_gym", "task.chat=false", "task.rg.system_prompt=''", f"task.rg.size={a.train}",
-          "task.reward_workers=0", "task.rg.datasets={aiw: 1}", f"task.rg.config={{aiw: {json.dumps(SIBLINGS)}}}"]
     t0 = time.perf_counter()
     rl.train(load_config(rl.Config, None, [
-        f"model.path={warm.checkpoint}", *rg, "rollout.n=8", "prompts_per_step=16", "rollout.max_new_tokens=16",
+        f"model.path={warm.checkpoint}", *rg_overrides(a.train), "rollout.n=8", "prompts_per_step=16", "rollout.max_new_tokens=16",
         "rollout.temperature=1.0", "algorithm.scale_rewards=std", f"optim.lr={a.rl_lr}", "optim.schedule=constant",
         f"optim.warmup_steps={a.rl_warmup}", f"max_steps={a.rl_steps}", "traces_per_step=0", f"run_dir={a.out / 'rl'}",
         *common]))
     times["rl"] = time.perf_counter() - t0
     after, greedy_after = measure(a.out / "rl" / "checkpoints" / f"step_{a.rl_steps}")
-    gain = [x - y for x, y in zip(after, before)]
-    mean = sum(gain) / len(gain)
-    se = (sum((g - mean) ** 2 for g in gain) / (len(gain) - 1) / len(gain)) ** 0.5
+    _, se = paired_gain(before, after)
     print(json.dumps({"accuracy_sft": round(sum(before) / len(before), 4), "accuracy_rl": round(sum(after) / len(after), 4),
                       "greedy_sft": round(greedy_before, 4), "greedy_rl": round(greedy_after, 4), "gain_se": round(se, 4),
                       "heldout_problems": len(questions), "dropped": dropped,
                       "seconds": {k: round(v, 1) for k, v in times.items()},
                       "args": {k: str(v) for k, v in vars(a).items()}}))
     return 0
-
-
-def accuracy_greedy(model_dir, questions: list[str]) -> float:
-    """The share of questions the greedy answer gets right (what sharpening at temperature 1 can reach)."""
-    import re
-
-    from transformers import AutoTokenizer
-
-    from relign.models.loading import load_causal_lm
-    from relign.rollout.engine import SamplingParams
-    from relign.rollout.hf_engine import HFEngine
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    engine = HFEngine(load_causal_lm(str(model_dir)).eval(), tok, seed=0)
-    outs = engine.generate([tok(q)["input_ids"] for q in questions], SamplingParams(temperature=0.0, max_new_tokens=16))
-    said = [re.findall(r"<answer>(.*?)</answer>", g[0].text) for g in outs]
-    return sum(bool(s) and s[-1].strip() == str(truth(q)) for q, s in zip(questions, said)) / len(questions)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from ..checkpoint import (
 )
 from ..data.collate import StepSampler
 from ..errors import ConfigError
+from ..models.cp import enable_ulysses
 from ..models.loading import resolve_device, trainable_parameters
 from ..models.precision import mixed_dtype
 from ..models.tp import apply_tp
@@ -109,6 +110,17 @@ def open(cfg: Any, recipe: str, *, check: Callable[[Any], Any] | None = None, se
 def checkpoint_to_resume(run: Run) -> Path | None:
     """The checkpoint ``resume`` names (``auto``: the newest valid one in the run directory), or None."""
     return resolve_resume(run.cfg.resume, run.run_dir)
+
+
+def context_parallel(cfg: Any, *models: torch.nn.Module | None) -> None:
+    """``parallel.cp_size`` > 1: the run's packed rows are split over the cp ranks, so every model
+    that scores them (None: a model the run has not) runs Ulysses attention (``models.cp``). After
+    ``varlen.choose``, whose packed attention Ulysses wraps; nothing on one cp rank."""
+    par = cfg.parallel
+    if par.cp_size > 1:
+        for model in models:
+            if model is not None:
+                enable_ulysses(model, par.cp_size, par.tp_size)
 
 
 def shard(model: torch.nn.Module) -> torch.nn.Module:

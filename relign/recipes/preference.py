@@ -42,7 +42,6 @@ from ..config import BatchFields, ConfigError, OptimConfig, PreferenceDataConfig
 from ..data.collate import chunks, shard
 from ..data.preference import TRUNCATION, UnpairedExample
 from ..models import varlen
-from ..models.cp import enable_ulysses
 from ..models.loading import load_causal_lm, load_model_tokenizer
 from . import RunResult, build, frame
 from .pairs import add_sums, average_sums, by_positions, collate_pairs, collate_unpaired, load_examples, sequence_logps
@@ -319,8 +318,7 @@ def _load_reference(cfg: Config, device, *, pack: bool, share: bool) -> torch.nn
                            attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code, device=device)
     if pack:
         varlen.choose([model], m.attn_implementation, packing=cfg.packing, share=share)
-    if cfg.parallel.cp_size > 1:
-        enable_ulysses(model, cfg.parallel.cp_size, cfg.parallel.tp_size)
+    frame.context_parallel(cfg, model)
     return model
 
 
@@ -461,8 +459,7 @@ def train(cfg: Config) -> RunResult:
     # rejected response continuing it in the packed row where varlen applies, else both
     # responses in padded rows against its KV cache
     pack, share = varlen.choose([policy], m.attn_implementation, packing=cfg.packing, share=cfg.share_prompt and not kto)
-    if cfg.parallel.cp_size > 1:  # packed rows split over the cp ranks (models.cp)
-        enable_ulysses(policy, cfg.parallel.cp_size, cfg.parallel.tp_size)
+    frame.context_parallel(cfg, policy)
     banner.start("dpo", cfg, model=policy, **facts)
     # ---- reference log-probs: once, before the first update (from the starting weights), cached in the run directory
     ckpt = frame.checkpoint_to_resume(run)

@@ -44,7 +44,6 @@ from ..checkpoint import gather_train_state, load_checkpoint, load_model_weights
 from ..data.collate import StepSampler
 from ..evaluate import PeriodicEval
 from ..models import varlen
-from ..models.cp import enable_ulysses
 from ..models.loading import load_model_tokenizer, trainable_parameters
 from ..models.value import ValueModel
 from ..optim import build_optimizer
@@ -127,10 +126,7 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
     # against its KV cache
     pack, share = varlen.choose([policy, ref, critic], m.attn_implementation, packing=cfg.packing,
                                 share=cfg.share_prompt and ro.n > 1)
-    if cfg.parallel.cp_size > 1:  # packed rows split over the cp ranks (models.cp): every trained model's attention
-        for model in (policy, ref, critic):
-            if model is not None:
-                enable_ulysses(model, cfg.parallel.cp_size, cfg.parallel.tp_size)
+    frame.context_parallel(cfg, policy, ref, critic)
     if ckpt is not None:
         load_model_weights(policy, ckpt)
     engine = build.engine_for(ro.engine, policy, tok, max_batch_rows=ro.max_batch_rows, seed=cfg.seed, m=m, vllm=ro.vllm,

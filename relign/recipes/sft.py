@@ -28,7 +28,7 @@ from ..config import BatchFields, ConfigError, DataConfig, OptimConfig
 from ..data.collate import chunks, pack_collate, pad_collate, shard, to_device
 from ..data.sft import TRUNCATION, SFTExample, build_sft_examples
 from ..data.stats import announce
-from ..models.cp import cp_token_logps, enable_ulysses
+from ..models.cp import cp_token_logps
 from ..models.loading import load_model_tokenizer
 from ..models.logprobs import token_logps
 from ..models.varlen import packed_attention
@@ -165,8 +165,7 @@ def train(cfg: Config, *, desc: str = "sft") -> RunResult:
     model = build.load_policy(m, run.device)
     if cfg.packing:
         packed_attention(model, m.attn_implementation)
-    if cfg.parallel.cp_size > 1:
-        enable_ulysses(model, cfg.parallel.cp_size, cfg.parallel.tp_size)
+    frame.context_parallel(cfg, model)
     banner.start("sft", cfg, model=model, **facts)  # parameters counted before FSDP shards them
     t = frame.trainable(run, model, ckpt=frame.checkpoint_to_resume(run), rows=len(train_set), batch_size=cfg.batch_size,
                         total_steps=total_steps)

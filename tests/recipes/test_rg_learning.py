@@ -40,8 +40,21 @@ def worked(question: str) -> str:
     return f" {n - 1}+1={n}. <answer>{n}</answer>"
 
 
-def accuracy(model_dir, questions: list[str], samples: int = 4) -> list[float]:
-    """Per question, the share of ``samples`` answers at temperature 1 that are right (fixed seeds)."""
+def rg_overrides(train: int) -> list[str]:
+    """The reasoning-gym task of this test as ``relign rl`` overrides: aiw siblings, ``train`` problems."""
+    return ["task.name=reasoning_gym", "task.chat=false", "task.rg.system_prompt=''", f"task.rg.size={train}",
+            "task.reward_workers=0", "task.rg.datasets={aiw: 1}", f"task.rg.config={{aiw: {json.dumps(SIBLINGS)}}}"]
+
+
+def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
+    """The mean per-question gain and its paired standard error."""
+    gain = [a - b for a, b in zip(after, before)]
+    mean = sum(gain) / len(gain)
+    return mean, (sum((g - mean) ** 2 for g in gain) / (len(gain) - 1) / len(gain)) ** 0.5
+
+
+def accuracy(model_dir, questions: list[str], samples: int = 4, temperature: float = 1.0) -> list[float]:
+    """Per question, the share of ``samples`` answers at ``temperature`` that are right (fixed seeds)."""
     from transformers import AutoTokenizer
 
     from relign.models.loading import load_causal_lm
@@ -51,7 +64,7 @@ def accuracy(model_dir, questions: list[str], samples: int = 4) -> list[float]:
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = HFEngine(load_causal_lm(str(model_dir)).eval(), tok, seed=123)
     outs = engine.generate([tok(q)["input_ids"] for q in questions],
-                           SamplingParams(n=samples, temperature=1.0, max_new_tokens=16), seeds=list(range(len(questions))))
+                           SamplingParams(n=samples, temperature=temperature, max_new_tokens=16), seeds=list(range(len(questions))))
     right = []
     for q, group in zip(questions, outs):
         said = [ANSWER.findall(c.text) for c in group]
@@ -75,8 +88,6 @@ def test_grpo_raises_heldout_accuracy_on_reasoning_gym(tiny_model_dir, tmp_path)
     (tmp_path / "warm.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"], "response": worked(r["prompt"])}) + "\n"
                                                  for r in train))
     common = ["logging.progress=false", "logging.tensorboard=false", f"seed={SEED}"]
-    rg = ["task.name=reasoning_gym", "task.chat=false", "task.rg.system_prompt=''", f"task.rg.size={TRAIN}",
-          "task.reward_workers=0", "task.rg.datasets={aiw: 1}", f"task.rg.config={{aiw: {json.dumps(SIBLINGS)}}}"]
     with torch_threads(1):
         warm = sft.train(load_config(sft.Config, None, [
             f"model.path={tiny_model_dir}", f"data.path={tmp_path / 'warm.jsonl'}", f"run_dir={tmp_path / 'sft'}",
@@ -84,13 +95,11 @@ def test_grpo_raises_heldout_accuracy_on_reasoning_gym(tiny_model_dir, tmp_path)
         before = accuracy(warm.checkpoint, questions)
         run = tmp_path / "rl"
         rl.train(load_config(rl.Config, None, [
-            f"model.path={warm.checkpoint}", *rg, "rollout.n=8", "prompts_per_step=16", "rollout.max_new_tokens=16",
+            f"model.path={warm.checkpoint}", *rg_overrides(TRAIN), "rollout.n=8", "prompts_per_step=16", "rollout.max_new_tokens=16",
             "rollout.temperature=1.0", "algorithm.scale_rewards=std", "optim.lr=1e-3", "optim.schedule=constant",
             f"max_steps={RL_STEPS}", "traces_per_step=0", f"run_dir={run}", *common]))
         after = accuracy(run / "checkpoints" / f"step_{RL_STEPS}", questions)
-    gain = [a - b for a, b in zip(after, before)]
-    mean = sum(gain) / len(gain)
-    se = (sum((g - mean) ** 2 for g in gain) / (len(gain) - 1) / len(gain)) ** 0.5
+    _, se = paired_gain(before, after)
     acc0, acc1 = sum(before) / len(before), sum(after) / len(after)
     print(f"held-out accuracy {acc0:.3f} -> {acc1:.3f} on {len(questions)} questions x 4 samples (paired SE {se:.3f})")
     assert 0.3 <= acc0 <= 0.8, acc0  # the warm start leaves room, and its groups hold right and wrong samples
