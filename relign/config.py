@@ -505,6 +505,19 @@ def _yaml_problem(err: Exception) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
 
 
+def _unset_is_empty(defaults: DictConfig, key: str) -> bool:
+    """Whether ``key`` is a string field whose default is '' (its "not set"), so that null means ''."""
+    node = defaults
+    try:
+        for part in key.split("."):  # OmegaConf's public select() gives the value, not the field's type
+            if not isinstance(node, DictConfig):
+                return False
+            node = node._get_node(part)
+    except OmegaConfBaseException:
+        return False
+    return node is not None and not isinstance(node, DictConfig) and node._metadata.ref_type is str and node._value() == ""
+
+
 def load_config(cls: type, path: str | os.PathLike | None = None, overrides: list[str] | tuple = ()):
     """Build a config object of dataclass ``cls`` from a YAML preset plus dotted overrides.
 
@@ -526,10 +539,13 @@ def load_config(cls: type, path: str | os.PathLike | None = None, overrides: lis
             base = OmegaConf.merge(base, loaded)
         except OmegaConfBaseException as e:
             raise _explain(cls, e, str(p)) from None
+    defaults = OmegaConf.structured(cls)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key.sub=value")
-        key, _, _ = item.partition("=")
+        key, _, value = item.partition("=")
+        if value.strip() in ("", "null", "~") and _unset_is_empty(defaults, key):
+            item = f"{key}=''"  # "key=" and "key=null" clear a string whose default is '' (not set): no path, no spec
         try:
             base = OmegaConf.merge(base, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as e:

@@ -107,6 +107,18 @@ def holds_run(path: Path, config_name: str = "config.yaml") -> bool:
     return any((path / name).exists() for name in {config_name, *RUN_MARKERS})
 
 
+def run_config_of(model_path: str, config_name: str = "config.yaml") -> Path | None:
+    """The resolved config of the run that wrote the model at ``model_path``: the folder's own
+    ``config.yaml`` (a run directory), or its run's, above ``checkpoints/step_N``; None if neither."""
+    if not model_path or model_path.startswith("tiny:"):
+        return None
+    p = Path(model_path).expanduser()
+    for folder in (p, p.parent.parent if p.parent.name == "checkpoints" else None):
+        if folder is not None and (folder / config_name).is_file():
+            return folder / config_name
+    return None
+
+
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(tree, dict):
         return {prefix: tree}

@@ -101,3 +101,21 @@ def test_resolved_config_round_trips(tmp_path):
     assert data["optim"]["lr"] == 0.125
     again = load_config(Config, tmp_path / "config.yaml")
     assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
+
+
+@pytest.mark.parametrize("clear", ["task.path=", "task.path=null", "task.path=~", "task.path=''"])
+def test_a_preset_path_is_cleared_by_an_empty_or_null_override(clear):
+    """Switching a preset's task to a generated one means clearing its task.path: every spelling of
+    "no value" gives the field's own default, '' (not set)."""
+    from relign.commands.presets import load_preset
+    from relign.recipes.rl_config import Config as RLConfig
+
+    assert load_preset(RLConfig, "dr_grpo").task.path  # the preset names a file
+    cfg = load_preset(RLConfig, "dr_grpo", [clear, "task.name=reasoning_gym"])
+    assert cfg.task.path == "" and cfg.task.name == "reasoning_gym"
+
+
+@pytest.mark.parametrize("override", ["optim.schedule=", "optim.schedule=null"])
+def test_null_stays_an_error_for_a_string_that_must_have_a_value(override):
+    with pytest.raises(ConfigError, match="'optim.schedule'"):
+        load_config(Config, None, [override])

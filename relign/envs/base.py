@@ -256,19 +256,19 @@ class Task:
         return [with_system_prompt(r, self.system_prompt) for r in records]
 
     def load_heldout(self, path: str | None = None, split: str | None = None, max_rows: int = 0, seed: int = 0,
-                     *, train_rows: int = 0) -> tuple[list[dict[str, Any]], int]:
+                     *, train_rows: int = 0, train_seed: int | None = None) -> tuple[list[dict[str, Any]], int]:
         """Evaluation records and how many were dropped because the training set holds them.
 
         A file (``path``, or a task's shipped test set) is read as ``load`` reads it (0 dropped).
         A procedural task generates its held-out problems from ``eval_seed(seed)``, never from
         the training ``seed`` itself (which would evaluate on the training problems), and drops
         every one whose question text occurs among the ``train_rows`` (0: the task's default
-        count) training problems of ``seed``: a small problem space repeats questions even
-        across seeds.
+        count) training problems of ``train_seed`` (None: ``seed``; a standalone eval passes the
+        seed of the run it evaluates): a small problem space repeats questions even across seeds.
         """
         if path or self.generate_spec is None:
             return self.load(path, split, max_rows=max_rows, seed=seed), 0
-        train = self.generate(train_rows or self.generate_sizes[0], seed)
+        train = self.generate(train_rows or self.generate_sizes[0], seed if train_seed is None else train_seed)
         heldout = self.generate(max_rows or self.generate_sizes[1], eval_seed(seed))
         return disjoint(heldout, train)
 

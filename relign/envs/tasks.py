@@ -57,14 +57,13 @@ TASKS: dict[str, Callable[..., Task]] = {
     "countdown": countdown_task,
     "calculator": calculator_task,
     "reasoning_gym": reasoning_gym_task,  # needs relign[reasoning-gym]; imported when a task is built
-    "rg": reasoning_gym_task,
     "gem": gem_task,  # needs relign[gem]
     "calibration": calibration_task,
     "lc": lc_task,
     "custom": make_custom_task,
 }
 # The factories that take a config section of their own: task.rg, task.gem (TaskConfig).
-SECTIONS = {"reasoning_gym": "rg", "rg": "rg", "gem": "gem"}
+SECTIONS = {"reasoning_gym": "rg", "gem": "gem"}
 
 
 def get_task(name_or_spec: str, **kwargs: Any) -> Task:

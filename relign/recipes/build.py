@@ -208,18 +208,22 @@ def collector_for(task, t: TaskConfig, ro: RolloutConfig, rw: LearnedRewardConfi
     return collector
 
 
-def heldout_records(task, path: str, split: str, *, max_rows: int, seed: int, train_rows: int = 0) -> list[dict]:
+def heldout_records(task, path: str, split: str, *, max_rows: int, seed: int, train_rows: int = 0,
+                    train_seed: int | None = None, trained_on: str = "") -> list[dict]:
     """Evaluation records (``Task.load_heldout``): a procedural task's come from a seed derived
-    apart from the training ``seed``, and those whose question a training problem holds are
-    dropped; the count is printed."""
+    apart from the training ``seed``, and those whose question a training problem (of
+    ``train_seed``, default ``seed``) holds are dropped; the count is printed, with
+    ``trained_on``: which training set that was."""
     try:
         records, dropped = task.load_heldout(path or None, split or None, max_rows=max_rows, seed=seed,
-                                             train_rows=train_rows)
+                                             train_rows=train_rows, train_seed=train_seed)
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise ConfigError(f"task: {e}") from None
     if task.generate_spec is not None and not path and distributed.is_main():
+        rows = train_rows or task.generate_sizes[0]
+        against = trained_on or f"seed {seed if train_seed is None else train_seed}"
         print(f"eval data: {task.name}: {len(records) + dropped:,} held-out problems generated, {dropped:,} dropped "
-              "(their question is a training problem's)", file=sys.stderr, flush=True)
+              f"(their question is one of the {rows:,} training problems of {against})", file=sys.stderr, flush=True)
     return records
 
 

@@ -26,7 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import banner
+import yaml
+
+from .. import banner, rundir
 from ..checkpoint import atomic_write_text
 from ..checks import check_choice, check_fraction, check_model_path, check_non_negative, check_positive, check_wandb
 from ..config import ConfigError, LoggingConfig, RunFields, TaskConfig, VllmConfig
@@ -144,6 +146,10 @@ class Config(RunFields):
     """Inference engine: hf (built in) or vllm (colocated vLLM; pip install "relign[vllm]")."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """Settings of the vLLM engine (engine=vllm)."""
+    train_seed: int | None = None
+    """A generated task's training seed, whose problems the held-out set drops (None: the seed in the config.yaml of the run that wrote model.path, else seed)."""
+    train_rows: int = 0
+    """That training set's problem count (0: the run's task.max_rows from its config.yaml, else the task's default)."""
 
 
 def _check(cfg: Config) -> list[int]:
@@ -194,7 +200,9 @@ def train(cfg: Config) -> RunResult:
     cells = _check_search(cfg, task) if cfg.strategy != "sample" or cfg.sweep.strategies else []
     reader = _reader_for(cfg) if cfg.strategy == "sample" and cfg.scorer == "reader" else None
     run = frame.open(cfg, "eval")  # a fresh directory, never an earlier eval's (relign.rundir)
-    records = build.heldout_records(task, t.path, t.split, max_rows=t.max_rows, seed=cfg.seed)
+    train_seed, train_rows, trained_on = _training_set(cfg)
+    records = build.heldout_records(task, t.path, t.split, max_rows=t.max_rows, seed=cfg.seed, train_seed=train_seed,
+                                    train_rows=train_rows, trained_on=trained_on)
     tok = load_model_tokenizer(m)
     what = (f"{len(cells)} search(es): " + ", ".join(f"{n} (budget {b.max_generated_tokens or '-'})" for n, b in cells)
             if cells else f"{cfg.n} sample(s) per problem at temperature {cfg.temperature:g}")
@@ -220,6 +228,24 @@ def train(cfg: Config) -> RunResult:
     finally:
         engine.close()
     return frame.close(run, metrics=metrics, keys=keys, steps=0, resumable=False)
+
+
+def _training_set(cfg: Config) -> tuple[int, int, str]:
+    """(seed, rows, what they are) of the training problems a generated task's held-out set must
+    avoid: the keys where set, else those of the run that wrote model.path (its config.yaml), else
+    this eval's seed and the task's default count. Evaluating an RL run's checkpoint with another
+    seed must not check against a training set that run never saw."""
+    if cfg.train_seed is not None:
+        return cfg.train_seed, cfg.train_rows, f"train_seed={cfg.train_seed}"
+    source = rundir.run_config_of(cfg.model.path)
+    run = yaml.safe_load(source.read_text()) if source is not None else None
+    run_task = run.get("task") if isinstance(run, dict) else None
+    if isinstance(run_task, dict) and run_task.get("name") == cfg.task.name and not run_task.get("path"):
+        seed = int(run.get("seed") or 0)
+        return seed, cfg.train_rows or int(run_task.get("max_rows") or 0), f"the run {source.parent} (seed {seed}, its config.yaml)"
+    why = "no run's config.yaml beside model.path" if run_task is None else (
+        f"the run of {source} did not train on generated {cfg.task.name} problems")
+    return cfg.seed, cfg.train_rows, f"seed {cfg.seed} ({why}; set train_seed and train_rows to the training run's)"
 
 
 CALIB_KEYS = ("calib/ece", "calib/brier", "calib/accuracy")

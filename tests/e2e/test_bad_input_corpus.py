@@ -308,9 +308,9 @@ def _config_cases(name: str, tmp: Path) -> dict[str, tuple[list[str], str]]:
         "negative-max-steps": (["max_steps=-1"], f"bad value for 'max_steps': -1; it must be >= {min_steps}"),
         "no-model-path": ([], "missing value for 'model.path': give a local model folder, a hub id (org/name) or "
                               "tiny:SIZE"),
-        "empty-model-path": (["model.path="], "bad value for 'model.path' in override 'model.path=': empty (null), and "
-                                              "'model.path' needs a value; give one, or leave the override out for the "
-                                              "default"),
+        # "model.path=" clears the preset's path to the field's default '' (not set), as for task.path
+        "empty-model-path": (["model.path="], "missing value for 'model.path': give a local model folder, a hub id "
+                                              "(org/name) or tiny:SIZE"),
         "missing-model-path": ([f"model.path={tmp / 'no_model'}"], f"bad value for 'model.path': '{tmp / 'no_model'}'; no "
                                                                    "such folder (give a local model folder, a hub id "
                                                                    "org/name or tiny:SIZE)"),

@@ -21,15 +21,18 @@ def _jsonl(path):
 
 
 def test_rl_on_reasoning_gym_never_evaluates_on_a_training_problem(tiny_model_dir, tmp_path):
+    """Neither inside the run (eval.every) nor afterwards: a standalone relign eval of the run's
+    checkpoint, at its own seed, drops the problems of the run's training set (seed 3, 100 rows,
+    read from the run's config.yaml), not of a training set of its own seed."""
     rg = pytest.importorskip("reasoning_gym")
     run = tmp_path / "run"
     proc = run_cli("rl", f"model.path={tiny_model_dir}", "task.name=reasoning_gym", "task.rg.datasets={chain_sum: 1}",
                    SMALL, "task.max_rows=100", "task.reward_workers=0", "rollout.n=2", "rollout.max_new_tokens=6",
                    "prompts_per_step=2", "max_steps=2", "eval.every=2", "eval.max_rows=30", "eval.max_new_tokens=6",
-                   f"run_dir={run}", *COMMON)
+                   "seed=3", f"run_dir={run}", *COMMON, "checkpoint.save_final=true")
     dropped = int(re.search(r"30 held-out problems generated, (\d+) dropped", proc.stderr).group(1))
-    # the training problems, built here by reasoning-gym itself (seed 0, the run's default)
-    train = {rg.create_dataset("chain_sum", seed=0, size=100, min_terms=2, max_terms=2, min_digits=1,
+    # the training problems, built here by reasoning-gym itself (seed 3, the run's)
+    train = {rg.create_dataset("chain_sum", seed=3, size=100, min_terms=2, max_terms=2, min_digits=1,
                                max_digits=1)[i]["question"] for i in range(100)}
     samples = _jsonl(run / "eval" / "step_2.jsonl")
     assert dropped > 0 and len(samples) == 30 - dropped  # eval.n=1: one sample per held-out problem
@@ -38,6 +41,15 @@ def test_rl_on_reasoning_gym_never_evaluates_on_a_training_problem(tiny_model_di
     assert rows[2]["eval/num_problems"] == 30 - dropped and "reward/mean" in rows[1]
     trained = {json.loads(line)["problem"] for line in (run / "rollouts" / "step_1.jsonl").read_text().splitlines()}
     assert trained <= train  # the rollouts' prompts are training problems
+
+    out = tmp_path / "eval"
+    proc = run_cli("eval", f"model.path={run / 'checkpoints' / 'step_2'}", "task.name=reasoning_gym",
+                   "task.rg.datasets={chain_sum: 1}", SMALL, "task.max_rows=40", "max_new_tokens=4", f"run_dir={out}",
+                   "logging.progress=false")
+    assert re.search(rf"40 held-out problems generated, \d+ dropped \(their question is one of the 100 training problems "
+                     rf"of the run {re.escape(str(run))} \(seed 3", proc.stderr), proc.stderr[-2000:]
+    questions = [json.loads(line)["question"] for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert questions and set(questions).isdisjoint(train)
 
 
 def test_eval_on_reasoning_gym(tiny_model_dir, tmp_path):

@@ -166,13 +166,19 @@ def test_rl_context_parallel_needs_packed_rows(tiny_model_dir, tmp_path):
 
 def test_dpo_tensor_and_context_parallel_match_one_process(tiny_model_dir, tmp_path):
     """relign dpo (reference log-probs precomputed, pairs packed with the prompt once) on 2 ranks at
-    parallel.tp_size=2 and at parallel.cp_size=2 against one process, 2 steps: loss, grad norm,
-    reward margin and accuracy within 1e-5."""
+    parallel.tp_size=2 and at parallel.cp_size=2 against one process, 2 steps: loss, grad norm and
+    reward margin within 1e-5. Not the reward accuracy (the share of margins > 0): at step 1 the
+    policy is the reference, every margin is 0 up to rounding, and rounding noise of 1e-6 decides
+    the share (0.25 on one side, 0 on the other on an AMX Xeon). A discontinuous function of
+    rounding noise is no invariance; the margins it thresholds are compared.
+
+    lr 3e-4, for the reason the SFT test above gives (AdamW moves a weight whose gradient is ~0 by
+    lr x its noise): at 1e-3 the step-2 grad norm differed by 1.4e-5 relative on an AMX Xeon."""
     args = ["dpo", str(REPO / "examples" / "dpo.yaml"), f"model.path={tiny_model_dir}", "data.max_rows=16",
             "data.max_length=256", "data.eval_fraction=0", "batch_size=4", "micro_batch_size=2", "max_steps=2",
-            "optim.lr=1e-3", "optim.warmup_ratio=0", "eval_every=0", "checkpoint.save_every=0", "packing=true",
+            "optim.lr=3e-4", "optim.warmup_ratio=0", "eval_every=0", "checkpoint.save_every=0", "packing=true",
             "logging.tensorboard=false", "logging.progress=false"]
-    keys = ("train/loss", "train/grad_norm", "train/rewards/margins", "train/rewards/accuracy")
+    keys = ("train/loss", "train/grad_norm", "train/rewards/margins")
     run_cli(*args, f"run_dir={tmp_path / 'one'}")
     one = _steps(tmp_path / "one", keys)
     assert one[1][1][2] != 0  # the policy moved away from the reference

