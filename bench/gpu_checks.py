@@ -25,11 +25,15 @@ with the tiny local tokenizer (its ids are a subset of the vocabulary; nothing i
           NCCL refuses two ranks on one GPU, so FSDP2 itself needs two GPUs.
 
 Every check records the CUDA allocator's peak (``torch.cuda.max_memory_allocated``, reset
-before it; for torchrun the child's own peak is not seen). The JSON at --out is rewritten after
+before it; for torchrun the child's own peak is not seen) and, beside it, ``relign plan``'s
+prediction for the same config (``predicted_gib``; the measured ``run_peak_gib`` is the peak less
+what was allocated before the run, and ``predicted_over_measured`` their ratio: within 15% is the
+goal of issue 47). The JSON at --out is rewritten after
 every check, so a run stopped at its time limit still leaves the checks it finished.
 
-Peak FLOP/s and bandwidth come from the device name (H100 SXM: 989 TFLOP/s bf16 dense, 3.35
-TB/s; H100 PCIe: 756, 2.0; H200: 989, 4.8); ``--peak-tflops`` / ``--bandwidth-tbs`` override.
+Peak FLOP/s and bandwidth come from the device name, in ``relign.plan.GPUS`` (H100 SXM: 989 TFLOP/s
+bf16 dense, 3.35 TB/s; H100 PCIe: 756, 2.0; H200: 989, 4.8; ...); ``--peak-tflops`` /
+``--bandwidth-tbs`` override.
 Results: a markdown table on stdout and JSON at --out.
 
 On the device machine: it has torch, transformers, peft and tqdm; relign also needs omegaconf,
@@ -57,10 +61,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from relign.plan import gpu_peak  # noqa: E402  the one table of devices (relign plan's): bf16 peak, bandwidth
 
-# name fragment -> (bf16 dense TFLOP/s, HBM TB/s), most specific first
-DEVICES = [("H100 PCIe", 756.0, 2.0), ("H100 NVL", 835.0, 3.9), ("H100", 989.0, 3.35), ("H200", 989.0, 4.8),
-           ("A100", 312.0, 2.0)]
 QWEN05 = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
               vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0, tie_word_embeddings=True)
 SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
@@ -133,12 +135,14 @@ def run_sft(a, model_dir: Path, tmp: Path, tok, n_params: int, shape: dict, peak
             f"device={device}", "logging.progress=false", "logging.tensorboard=false", "checkpoint.save_every=0",
             "checkpoint.save_final=false", "eval_every=0", f"run_dir={tmp / ('sft-packed' if packing else 'sft-padded')}",
         ])
+        before = _reset_peak(device)
         hist = sft.train(cfg).history
+        mem = _memory(device, before, predicted(cfg, "sft"))
         steps = timed_rows(hist, "perf/tokens_per_s", a.warmup)
         tps = sum(r["perf/tokens"] for r in steps) / sum(r["perf/step_seconds"] for r in steps)
         t_mean = sum(len(tok.encode(r["prompt"] + r["completion"])) for r in rows[:64]) / 64
         flops_per_token = 6 * n_params + 6 * shape["num_hidden_layers"] * shape["hidden_size"] * min(t_mean, a.seq_len)
-        out.append({"check": "sft", "mode": "packed" if packing else "padded", "tokens_per_s": tps,
+        out.append({**mem, "check": "sft", "mode": "packed" if packing else "padded", "tokens_per_s": tps,
                     "mfu": tps * flops_per_token / peak if peak else None, "steps_timed": len(steps)})
     return out
 
@@ -160,10 +164,12 @@ def run_dpo(a, model_dir: Path, tmp: Path, tok, device: str) -> dict:
         "optim.lr=1e-6", "optim.warmup_ratio=0", f"device={device}", "logging.progress=false", "logging.tensorboard=false",
         "checkpoint.save_every=0", "checkpoint.save_final=false", "eval_every=0", f"run_dir={tmp / 'dpo'}",
     ])
+    before = _reset_peak(device)
     hist = preference.train(cfg).history
+    mem = _memory(device, before, predicted(cfg, "dpo"))
     steps = timed_rows(hist, "perf/pairs_per_s", a.warmup)
     ref = next((r["time/reference_s"] for r in hist if "time/reference_s" in r), None)
-    return {"check": "dpo", "pairs_per_s": median([r["perf/pairs_per_s"] for r in steps]), "reference_precompute_s": ref,
+    return {**mem, "check": "dpo", "pairs_per_s": median([r["perf/pairs_per_s"] for r in steps]), "reference_precompute_s": ref,
             "steps_timed": len(steps)}
 
 
@@ -198,8 +204,40 @@ def run_grpo(a, model_dir: Path, tmp: Path, tok, device: str, lora: bool = False
     steps = a.lora_steps if lora else a.grpo_steps
     name = "lora" if lora else "grpo"
     cfg = load_config(rl.Config, None, grpo_args(a, model_dir, tmp, tok, device, name, steps, extra))
+    before = _reset_peak(device)
     stages, n = stage_seconds(rl.train(cfg).history, min(a.warmup, steps - 1))
-    return {"check": name, "rows_per_step": a.prompts * 8, "new_tokens": a.new_tokens, "seconds": stages, "steps_timed": n}
+    return {**_memory(device, before, predicted(cfg, "rl")), "check": name, "rows_per_step": a.prompts * 8, "new_tokens": a.new_tokens, "seconds": stages, "steps_timed": n}
+
+
+def predicted(cfg, recipe: str) -> float:
+    """``relign plan``'s peak for ``cfg`` (GiB per rank; the device's size does not change it)."""
+    from relign import plan as P
+    from relign.recipes import memory
+
+    room = P.Device("any", "any", 1 << 50, 1 << 50)
+    return memory.plan_for(cfg, recipe, room, search=False).peak.total / 2**30
+
+
+def _reset_peak(device: str) -> int:
+    """Bytes allocated before a run (on CUDA; its peak counter reset), so its own peak can be told apart."""
+    import torch
+
+    if device != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def _memory(device: str, before: int, predicted_gib: float) -> dict:
+    """The run's own peak (max_memory_allocated less what was there before) beside the plan's."""
+    import torch
+
+    if device != "cuda":
+        return {"predicted_gib": predicted_gib}
+    run = (torch.cuda.max_memory_allocated() - before) / 2**30
+    return {"predicted_gib": predicted_gib, "run_peak_gib": run, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "predicted_over_measured": predicted_gib / run if run else None}
 
 
 def run_torchrun(a, model_dir: Path, tmp: Path, tok, device: str) -> dict:
@@ -221,6 +259,18 @@ def run_torchrun(a, model_dir: Path, tmp: Path, tok, device: str) -> dict:
     return {"check": "torchrun", "ok": True, "backend": "nccl" if device == "cuda" else "gloo", "seconds": stages, "launch_wall_s": wall}
 
 
+def decode_plan(shape: dict, rows: int, prompt: int, new: int, b: int) -> int:
+    """``relign plan``'s terms for the HF engine alone: its weights (b bytes each), its KV cache over
+    prompt + new columns, the decode step's weight copies and the larger of a decode step's and the
+    prefill's transients."""
+    from relign import plan as P
+
+    s = P.Shape.of({**shape, "model_type": "qwen2"})
+    prec = P.Precision.of("bf16" if b == 2 else "fp32")
+    return (P.weight_bytes(s.params, b) + P.kv_cache_bytes(s, rows, prompt + new, b) + P.decode_copy_bytes(s, b)
+            + max(P.decode_step_bytes(s, rows), P.nograd_forward_bytes(s, rows * prompt, 0, prec)))
+
+
 def run_decode(a, model_dir: Path, tok, n_params: int, shape: dict, bandwidth: float, device: str) -> dict:
     import torch
 
@@ -230,6 +280,7 @@ def run_decode(a, model_dir: Path, tok, n_params: int, shape: dict, bandwidth: f
     from relign.rollout.engine import SamplingParams
 
     dtype = "bf16" if a.dtype != "fp32" else "fp32"
+    before = _reset_peak(device)
     model = load_causal_lm(str(model_dir), dtype=dtype, device=device).eval()
     engine = engine_for("hf", model, tok, max_batch_rows=a.decode_rows, seed=0, m=ModelConfig(path=str(model_dir), dtype=dtype))
     rng = random.Random(3)
@@ -254,13 +305,18 @@ def run_decode(a, model_dir: Path, tok, n_params: int, shape: dict, bandwidth: f
     context = sum(len(p) for p in prompts) / len(prompts) + a.new_tokens / 2
     bytes_per_step = n_params * elt + a.decode_rows * context * kv_per_token
     bound = a.decode_rows * bandwidth / bytes_per_step if bandwidth else None
-    return {"check": "decode", "rows": a.decode_rows, "new_tokens": a.new_tokens, "tokens_per_s": tps,
+    return {**_memory(device, before, decode_plan(shape, a.decode_rows, prompt_len, a.new_tokens, elt) / 2**30),
+            "check": "decode", "rows": a.decode_rows, "new_tokens": a.new_tokens, "tokens_per_s": tps,
             "bound_tokens_per_s": bound, "fraction_of_bound": tps / bound if bound else None,
             "prefill_included": True}
 
 
 def peak_text(r: dict) -> str:
-    return f", peak {r['peak_gib']:.1f} GiB" if r.get("peak_gib") is not None else ""
+    """', peak 12.3 GiB (plan 11.9)': the measured peak and relign plan's, when there is one."""
+    if r.get("peak_gib") is None:
+        return ""
+    plan = f" (plan {r['predicted_gib']:.1f}, run {r['run_peak_gib']:.1f})" if r.get("run_peak_gib") else ""
+    return f", peak {r['peak_gib']:.1f} GiB{plan}"
 
 
 def write_json(path: str, out: dict) -> None:
@@ -307,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
         a.decode_rows, a.decode_repeats = 4, 1
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
-    peak_t, bw_t = next(((f, b) for frag, f, b in DEVICES if frag in name), (0.0, 0.0))
+    peak_t, bw_t = gpu_peak(name)
     peak = (a.peak_tflops or peak_t) * 1e12
     bandwidth = (a.bandwidth_tbs or bw_t) * 1e12
     shape = SMOKE if a.smoke else QWEN05
@@ -345,7 +401,8 @@ def main(argv: list[str] | None = None) -> dict:
                 p.error(f"unknown check {c!r}")
             for r in res:
                 r["wall_s"] = time.perf_counter() - t0
-                r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" and c != "torchrun" else None
+                if "peak_gib" not in r:  # the checks that measured their own runs keep their figures
+                    r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" and c != "torchrun" else None
                 print(json.dumps(r), flush=True)
             results.extend(res)
             write_json(a.out, out)  # after every check: a run stopped at its limit keeps what it finished

@@ -306,6 +306,17 @@ class ParallelConfig:
     """Context parallel degree (Ulysses): each sequence split in chunks over this many ranks."""
 
 
+@dataclass
+class PlanConfig:
+    """The memory plan a training run checks before it loads any weights (relign plan; docs/plan.md)."""
+
+    check: bool = True
+    """Refuse to start when the predicted peak exceeds the device's memory (false: start anyway)."""
+    device: str = ""
+    """The device to plan for: empty = the run's own (free memory); or cpu, cuda:N, or a named GPU
+    (h100, h200, a100-40, a100-80, l40s, rtx4090) to check a run against one without it."""
+
+
 # --------------------------------------------------------------------------- the fields every recipe repeats
 #
 # One level of dataclass inheritance (docs/architecture.md, "Configs"): a recipe's ``Config``
@@ -334,6 +345,7 @@ class TrainFields(RunFields):
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     resume: str = "none"
     """'auto' continues from the newest complete checkpoint in run_dir; or a checkpoint path; 'none' starts fresh."""
 

@@ -41,7 +41,8 @@ from .errors import ConfigError
 # Keys (and key prefixes) a resumed run may change without becoming another run: where it writes,
 # how long it goes on (extending a finished run is the usual reason to resume), what it logs, how
 # often it saves, and the device. Everything else (model, data, optimizer, algorithm, seed) must match.
-RESUMABLE = ("resume", "run_dir", "max_steps", "epochs", "iterations", "max_seconds", "logging", "checkpoint", "device")
+RESUMABLE = ("resume", "run_dir", "max_steps", "epochs", "iterations", "max_seconds", "logging", "checkpoint", "device",
+             "plan")
 # Files whose presence means a directory holds a run (besides the recipe's own config file).
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 _NO_RESUME = ("", "none", "false", "False")

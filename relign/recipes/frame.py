@@ -43,7 +43,7 @@ from ..models.tp import apply_tp
 from ..optim import build_training, clip_gradients
 from ..rundir import open_run
 from ..tracking import Tracker, read_metrics
-from . import RunResult, build
+from . import RunResult, build, memory
 
 
 @dataclass
@@ -102,6 +102,7 @@ def open(cfg: Any, recipe: str, *, check: Callable[[Any], Any] | None = None, se
     if check is not None:
         check(cfg)
     device = resolve_device(cfg.device)
+    memory.check(cfg, recipe, device)  # the predicted peak against the device, before any weights load (relign plan)
     seed_everything(cfg.seed if seed is None else seed)
     run_dir = open_run(cfg, recipe, config_name=config_name)
     return Run(cfg, recipe, run_dir, device, t_start)

@@ -1,0 +1,595 @@
+"""What a training step needs, in bytes and seconds, before anything loads (``relign plan``, ``--dry-run``,
+the refusal at the start of a run; docs/plan.md).
+
+Pure arithmetic on a model's shape (``Shape``, read from its config) and the run's numbers. Each term
+is a small function whose docstring gives its formula and the code it models; ``recipes/memory.py``
+adds them up stage by stage for each recipe, ``Plan`` holds the result and ``format_plan`` prints it.
+Symbols: d hidden, L layers, H query heads, H_kv key/value heads, D head dim, I MLP width, V
+vocabulary, T tokens of a forward pass (as computed: a shared prompt once), K positions whose logits
+the loss keeps, N parameters, N_t trainable parameters, b bytes per element (p: of the weights, c: of
+the compute dtype).
+
+The terms model the code as it is. When that code changes (the log-prob path, the micro-batch
+sizes, the decode buffers), the term changes with it; docs/plan.md names the code behind each.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+GiB = 2**30
+CHUNK_TOKENS = 4096  # models/logprobs.DEFAULT_CHUNK_TOKENS: the log-softmax runs this many positions at a time
+
+# --------------------------------------------------------------------------- devices
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device to plan for: its memory, what of it a run may use, and its bf16 peak and bandwidth."""
+
+    key: str
+    """The name ``--device`` / ``plan.device`` takes (h100, cpu, cuda:0 ...)."""
+    name: str
+    memory: int
+    """Bytes the device has."""
+    available: int
+    """Bytes a run may allocate: free memory (local), or the memory less ``CUDA_RESERVE`` (named)."""
+    tflops: float = 0.0
+    """bf16 dense peak, TFLOP/s (0: unknown, no step time)."""
+    tbs: float = 0.0
+    """Memory bandwidth, TB/s."""
+
+
+CUDA_RESERVE = GiB
+"""A named GPU's memory a run cannot allocate: the CUDA context, cuBLAS workspaces and the caching
+allocator's slack (the local CUDA device reports its free memory instead)."""
+
+# key, the fragments of torch.cuda.get_device_name it matches, memory (MiB, as nvidia-smi reports it),
+# bf16 dense TFLOP/s, HBM TB/s. Most specific first: bench/gpu_checks.py reads the same table.
+GPUS: list[tuple[str, tuple[str, ...], int, float, float]] = [
+    ("h100-pcie", ("H100 PCIe",), 81559, 756.0, 2.0),
+    ("h100-nvl", ("H100 NVL",), 95830, 835.0, 3.9),
+    ("h100", ("H100",), 81559, 989.0, 3.35),
+    ("h200", ("H200",), 143771, 989.0, 4.8),
+    ("a100-40", ("A100-SXM4-40GB", "A100-PCIE-40GB", "A100 40GB"), 40960, 312.0, 1.555),
+    ("a100-80", ("A100",), 81920, 312.0, 2.039),
+    ("l40s", ("L40S",), 46068, 362.0, 0.864),
+    ("rtx4090", ("RTX 4090",), 24564, 165.2, 1.008),
+]
+ALIASES = {"a100": "a100-80", "4090": "rtx4090", "rtx-4090": "rtx4090", "h100-sxm": "h100"}
+
+
+def named_device(key: str) -> Device:
+    """The device of the table by its key (``h100``, ``a100-40``, ``rtx4090`` ...)."""
+    k = ALIASES.get(key.lower(), key.lower())
+    for gpu, _, mib, tflops, tbs in GPUS:
+        if gpu == k:
+            memory = mib * 2**20
+            return Device(gpu, _device_title(gpu, mib), memory, memory - CUDA_RESERVE, tflops, tbs)
+    raise ConfigError(f"bad value for 'plan.device': {key!r}; choose one of auto, cpu, cuda, {', '.join(g[0] for g in GPUS)}")
+
+
+def _device_title(key: str, mib: int) -> str:
+    names = {"h100-pcie": "H100 PCIe", "h100-nvl": "H100 NVL", "h100": "H100 SXM", "h200": "H200", "a100-40": "A100",
+             "a100-80": "A100", "l40s": "L40S", "rtx4090": "RTX 4090"}
+    return f"{names[key]} {round(mib / 1024 / 8) * 8 if key != 'h100-nvl' else 94} GB"
+
+
+def gpu_peak(cuda_name: str) -> tuple[float, float]:
+    """(bf16 dense TFLOP/s, TB/s) of a GPU from its ``torch.cuda.get_device_name``; (0, 0) when unknown."""
+    for _, fragments, _, tflops, tbs in GPUS:
+        if any(f in cuda_name for f in fragments):
+            return tflops, tbs
+    return 0.0, 0.0
+
+
+def available_ram(meminfo: str = "/proc/meminfo") -> int:
+    """Bytes of RAM a new allocation can get now: psutil's ``available``, else MemAvailable."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    with open(meminfo) as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"no MemAvailable in {meminfo}")
+
+
+def local_device(name: str = "auto") -> Device:
+    """The device a run on this machine gets: ``cpu`` (available RAM), ``cuda[:N]`` (free memory, from
+    ``torch.cuda.mem_get_info``), ``auto`` (CUDA when there is one), or a named GPU of the table."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        ram = available_ram()
+        return Device("cpu", "this CPU (available RAM)", ram, ram)
+    if name.startswith("cuda"):
+        index = torch.device(name).index or 0
+        free, total = torch.cuda.mem_get_info(index)
+        gpu = torch.cuda.get_device_name(index)
+        tflops, tbs = gpu_peak(gpu)
+        return Device(name, f"{gpu} ({name}, free memory)", int(total), int(free), tflops, tbs)
+    return named_device(name)
+
+
+# --------------------------------------------------------------------------- the model's shape
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder's sizes, read from its Hugging Face config (Llama, Qwen2/3, Mistral and alike)."""
+
+    d: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool = True
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    model_type: str = ""
+
+    @classmethod
+    def of(cls, config: Any) -> Shape:
+        """From a transformers config (or anything with its attribute names)."""
+        get = (lambda k, default=None: config.get(k, default)) if isinstance(config, dict) else \
+            (lambda k, default=None: getattr(config, k, default))
+        heads = get("num_attention_heads")
+        model_type = get("model_type", "") or ""
+        return cls(d=get("hidden_size"), layers=get("num_hidden_layers"), heads=heads,
+                   kv_heads=get("num_key_value_heads") or heads, head_dim=get("head_dim") or get("hidden_size") // heads,
+                   intermediate=get("intermediate_size"), vocab=get("vocab_size"),
+                   tied=bool(get("tie_word_embeddings", True)),
+                   qkv_bias=model_type == "qwen2" or bool(get("attention_bias", False)),
+                   qk_norm=model_type == "qwen3", model_type=model_type)
+
+    @property
+    def q_width(self) -> int:
+        """H D: the width of the queries (and of attention's output)."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """H_kv D: the width of the keys (and of the values)."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def attention_linear(self) -> int:
+        """Weights of one layer's q, k, v, o projections: d (H D + 2 H_kv D) + H D d."""
+        return self.d * (self.q_width + 2 * self.kv_width) + self.q_width * self.d
+
+    @property
+    def mlp_linear(self) -> int:
+        """Weights of one layer's gate, up and down projections: 3 d I."""
+        return 3 * self.d * self.intermediate
+
+    @property
+    def layer_params(self) -> int:
+        """One decoder layer: its linear weights, the q/k/v biases (Qwen2), two norms (and Qwen3's q/k norms)."""
+        bias = self.q_width + 2 * self.kv_width if self.qkv_bias else 0
+        return self.attention_linear + self.mlp_linear + bias + 2 * self.d + (2 * self.head_dim if self.qk_norm else 0)
+
+    @property
+    def embedding(self) -> int:
+        return self.vocab * self.d
+
+    @property
+    def params(self) -> int:
+        """N = V d (embeddings) + L x layer + d (final norm) + V d when the LM head is not tied."""
+        return self.embedding * (1 if self.tied else 2) + self.layers * self.layer_params + self.d
+
+    @property
+    def linear_params(self) -> int:
+        """Every linear weight a forward multiplies by: L (attention + MLP) + V d (the LM head)."""
+        return self.layers * (self.attention_linear + self.mlp_linear) + self.embedding
+
+    def lora_params(self, r: int, targets: list[str] | str) -> int:
+        """A LoRA adapter's trainable weights: r (in + out) per adapted linear (``all-linear``: every
+        projection of every layer, not the LM head)."""
+        shapes = {"q_proj": (self.d, self.q_width), "k_proj": (self.d, self.kv_width), "v_proj": (self.d, self.kv_width),
+                  "o_proj": (self.q_width, self.d), "gate_proj": (self.d, self.intermediate),
+                  "up_proj": (self.d, self.intermediate), "down_proj": (self.intermediate, self.d)}
+        names = list(shapes) if targets in ("all-linear", ["all-linear"]) else [t for t in targets if t in shapes]
+        return self.layers * sum(r * sum(shapes[n]) for n in names)
+
+
+class Flops:
+    """Forward FLOPs of one model: per token through the decoder, per scored position (the LM head),
+    per computed (query, key) pair. ``bench/arithmetic.py`` counts its bench shapes with it.
+
+    * a token through the decoder: 2 x its linear weights (every layer);
+    * the LM head: 2 d V wherever logits are taken;
+    * attention: 4 H D per (query, key) pair the kernel computes (q.k and p.v, every layer): a
+      causal call computes half its square, a call with a mask all of it;
+    * training: forward + backward = 3 x forward."""
+
+    def __init__(self, cfg: Any):
+        s = cfg if isinstance(cfg, Shape) else Shape.of(cfg)
+        self.token = 2 * (s.attention_linear + s.mlp_linear) * s.layers
+        self.head = 2 * s.d * s.vocab
+        self.pair = 4 * s.q_width * s.layers
+
+    def causal(self, n: int) -> float:
+        return n * (n + 1) / 2 * self.pair
+
+    def full(self, queries: int, keys: int) -> float:
+        return queries * keys * self.pair
+
+
+# --------------------------------------------------------------------------- precision
+
+
+@dataclass(frozen=True)
+class Precision:
+    """``model.dtype`` as bytes: of the weights (and gradients, AdamW's moments), and of the compute."""
+
+    name: str
+    param: int
+    compute: int
+
+    @property
+    def mixed(self) -> bool:
+        """bf16-mixed: fp32 weights, bf16 products under autocast (models/precision.py)."""
+        return self.param != self.compute
+
+    @classmethod
+    def of(cls, dtype: str) -> Precision:
+        if dtype in ("fp32", "float32"):
+            return cls(dtype, 4, 4)
+        if dtype in ("bf16", "bfloat16"):
+            return cls(dtype, 2, 2)
+        if dtype == "bf16-mixed":
+            return cls(dtype, 4, 2)
+        raise ConfigError(f"bad value for 'model.dtype': {dtype!r}; choose one of fp32, bf16, bf16-mixed")
+
+
+# --------------------------------------------------------------------------- terms: model states
+
+
+def weight_bytes(params: int, p: int) -> int:
+    """The weights: N x b_p (fp32 under fp32 and bf16-mixed, bf16 under bf16)."""
+    return params * p
+
+
+def grad_bytes(trainable: int, p: int) -> int:
+    """The gradients, from a step's first backward to ``zero_grad(set_to_none=True)`` after its
+    optimizer step: N_t x b_p (autograd accumulates them in the weights' dtype)."""
+    return trainable * p
+
+
+def adamw_bytes(trainable: int, p: int) -> int:
+    """AdamW's state (``optim.build_optimizer``, torch's AdamW): exp_avg and exp_avg_sq like each
+    trainable weight, 2 N_t b_p (2 x fp32 under fp32 and bf16-mixed), from the first step on."""
+    return 2 * trainable * p
+
+
+def autocast_copy_bytes(s: Shape, prec: Precision, *, lean: bool, layers: int | None = None) -> int:
+    """bf16-mixed: the bf16 copies of weights autocast casts for the products and autograd keeps for
+    the backward (torch.autocast's weight cache; models/precision.py): 2 x (L x the attention
+    projections + V d for the LM head), and L x 3 d I more without lean activations (the lean SwiGLU
+    keeps the fp32 MLP weights and casts in its backward). ``layers``: how many layers hold their
+    copies at once (L; 1 under gradient checkpointing, whose layers run again one at a time)."""
+    if not prec.mixed:
+        return 0
+    n = s.layers if layers is None else layers
+    per_layer = s.attention_linear + (0 if lean else s.mlp_linear)
+    return prec.compute * (n * per_layer + s.embedding)
+
+
+def embedding_grad_bytes(s: Shape, p: int, *, accumulating: bool, head: bool = True) -> int:
+    """The end of a backward, past the loss's logits: the embedding matrix's gradients beside the
+    others. Tied to the LM head, the head's weight gradient (V d) and the embedding's (a dense V d:
+    ``EmbeddingBackward``) are summed (V d more) before they join ``.grad``: 2 V d b_p, and 3 V d b_p
+    when ``.grad`` already holds an earlier micro-batch's. Untied, or a model without the head
+    (a critic): the embedding's alone, V d b_p."""
+    if head and s.tied:
+        return (3 if accumulating else 2) * s.embedding * p
+    return s.embedding * p
+
+
+def grad_norm_bytes(largest: int) -> int:
+    """The optimizer step's transient beyond the states: ``optim.clip_gradients`` takes each
+    gradient's norm in float64, one tensor at a time, through a float64 copy of it: 8 x the largest
+    trainable tensor's elements (the embedding's V d, usually)."""
+    return 8 * largest
+
+
+# --------------------------------------------------------------------------- terms: activations
+
+
+def layer_saved_bytes(s: Shape, tokens: int, prec: Precision, *, lean: bool = True, packed: bool = False) -> int:
+    """What one decoder layer keeps for its backward over ``tokens`` tokens (counted on the Qwen2 /
+    Llama layer with ``saved_tensors_hooks``: tests/test_plan.py), per token:
+
+    * fp32 (b = 4): b (4 d + 2 H D + 2 H_kv D + 2 I) + 4 H + 8 with lean activations: the layer's
+      input and the residual after attention (each norm's input), the normalized input of q/k/v and
+      of the MLP; the rotated queries and attention's output; keys and values; the MLP's g and u
+      (``models/lean.py``); attention's log-sum-exp; the two norms' 1/rms. Without lean: b (6 d +
+      2 H D + 2 H_kv D + 4 I) + 4 H + 8 (each norm keeps its normalized x, the MLP silu(g) and
+      silu(g) u).
+    * bf16-mixed, lean: 4 x 3 d (the residual stream and the MLP's input stay fp32) + 2 (3 d +
+      2 H D + 2 H_kv D) (the three casts of the normalized input for q, k and v, the queries,
+      attention's output, keys, values) + 2 x 2 I + 4 H + 8. Without lean: 4 x 4 d + 2 (5 d +
+      2 H D + 2 H_kv D + 4 I) + 4 H + 8.
+    * bf16: the fp32 count with b = 2 (the log-sum-exp and 1/rms stay fp32).
+    * packed rows (``models/varlen.py``: one attention call per sequence): + b_c H D, each
+      sequence's attention output kept apart from their concatenation.
+
+    Here d is the model width and H D the query width (equal for most models), as in the table of
+    docs/plan.md."""
+    d, q, kv, i, h = s.d, s.q_width, s.kv_width, s.intermediate, s.heads
+    if prec.mixed:
+        if lean:
+            per = 4 * 3 * d + 2 * (3 * d + 2 * q + 2 * kv) + 2 * 2 * i
+        else:
+            per = 4 * 4 * d + 2 * (5 * d + 2 * q + 2 * kv + 4 * i)
+    else:
+        b = prec.param
+        per = b * (4 * d + 2 * q + 2 * kv + 2 * i) if lean else b * (6 * d + 2 * q + 2 * kv + 4 * i)
+    per += 4 * h + 8
+    if packed:
+        per += prec.compute * q
+    return per * tokens
+
+
+def position_bytes(s: Shape, positions: int) -> int:
+    """The rotary table of a forward, computed once and kept by every layer: cos and sin, 2 x 4 D per
+    position (fp32; one position per token of a packed row, one per column of padded rows)."""
+    return 8 * s.head_dim * positions
+
+
+def head_input_bytes(s: Shape, tokens: int, positions: int, prec: Precision) -> int:
+    """Kept around the LM head: the final norm's input and 1/rms (4 d + 4 per token) and the normalized
+    hidden states of the kept positions the head multiplies (b_c d per kept position, as fp32 too
+    under bf16-mixed: the norm's output before autocast's cast)."""
+    return (4 * s.d + 4) * tokens + (prec.compute + (4 if prec.mixed else 0)) * s.d * positions
+
+
+def activation_bytes(s: Shape, tokens: int, positions: int, prec: Precision, *, lean: bool = True,
+                     checkpointing: bool = False, packed: bool = False, rope_positions: int | None = None) -> int:
+    """Everything a training forward of ``tokens`` tokens keeps for its backward but the logits:
+    L x ``layer_saved_bytes`` + ``position_bytes`` + ``head_input_bytes``.
+
+    With gradient checkpointing (``model.gradient_checkpointing``: transformers' per-layer
+    checkpoints, non-reentrant) each layer keeps only its input, L x 4 d T (the fp32 residual stream;
+    2 d T under bf16), and the backward recomputes one layer at a time: + one ``layer_saved_bytes``."""
+    if checkpointing:
+        layers = s.layers * prec.param * s.d * tokens + layer_saved_bytes(s, tokens, prec, lean=lean, packed=packed)
+    else:
+        layers = s.layers * layer_saved_bytes(s, tokens, prec, lean=lean, packed=packed)
+    return layers + position_bytes(s, tokens if rope_positions is None else rope_positions) + \
+        head_input_bytes(s, tokens, positions, prec)
+
+
+def logits_bytes(positions: int, vocab: int, *, grad: bool = True, prec: Precision | None = None,
+                 chunk: int = CHUNK_TOKENS) -> int:
+    """The loss's logits as ``models/logprobs.selective_log_softmax`` keeps them, at their peak.
+
+    With gradients: the fp32 logits of every kept position are saved (logsumexp keeps its input:
+    the model's fp32 logits, or each chunk's fp32 upcast of bf16 logits), and the backward of a
+    chunk's logsumexp makes three fp32 [chunk, V] temporaries (x - lse, its exp, times the
+    gradient): 4 V (K + 3 min(K, chunk)) bytes; for K = chunk, 16 K V.
+    Without gradients (a reference or eval pass): the logits in the compute dtype, the fp32 upcast
+    of a chunk and logsumexp's x - max: (b_c K + 8 min(K, chunk)) V (fp32: the upcast is the
+    logits themselves, 4 K V + 4 min(K, chunk) V)."""
+    if positions <= 0:
+        return 0
+    c = min(positions, chunk)
+    if grad:
+        return 4 * vocab * (positions + 3 * c)
+    b = prec.compute if prec is not None else 4
+    if b == 4:
+        return 4 * vocab * (positions + c)
+    return vocab * (b * positions + 8 * c)
+
+
+def nograd_forward_bytes(s: Shape, tokens: int, positions: int, prec: Precision) -> int:
+    """The peak of a forward without gradients (reference, old log-probs, eval, a prefill): the
+    residual stream and the widest intermediates of one layer at a time, b_c (2 d + 3 I) T + 4 d T
+    (gate, up and their product beside the hidden states), then the logits: ``logits_bytes`` without
+    gradients."""
+    layer = (prec.compute * (2 * s.d + 3 * s.intermediate) + 4 * s.d) * tokens
+    return max(layer, 4 * s.d * tokens + logits_bytes(positions, s.vocab, grad=False, prec=prec))
+
+
+# --------------------------------------------------------------------------- terms: the rollout engine
+
+
+def kv_cache_bytes(s: Shape, rows: int, length: int, b: int) -> int:
+    """The HF engine's KV cache (``rollout/hf_engine.GrowingLayer``): keys and values of every layer,
+    2 L H_kv D b x rows x length, b the compute dtype's (bf16 under bf16-mixed); length = the
+    call's longest prompt + max_new_tokens, allocated at once."""
+    return 2 * s.layers * s.kv_width * b * rows * length
+
+
+def kv_bytes_per_token(s: Shape, b: int) -> int:
+    """One token in any engine's cache: 2 L H_kv D b (``rollout/vllm_engine.kv_bytes_per_token``)."""
+    return 2 * s.layers * s.kv_width * b
+
+
+def decode_copy_bytes(s: Shape, b: int) -> int:
+    """The HF engine's per-call weight copies (``rollout/fast_decode.Weights``): every linear weight,
+    fused and transposed, in the compute dtype, while ``generate`` runs: b x (L (attention + MLP) + V d)."""
+    return b * s.linear_params
+
+
+def decode_step_bytes(s: Shape, rows: int) -> int:
+    """A decode step's transients over the vocabulary: fp32 logits, their softmax and its cumulative
+    sum for inverse-CDF sampling (``rollout/hf_engine.sample_tokens``): 3 x 4 V per row."""
+    return 12 * s.vocab * rows
+
+
+def fsdp_gather_bytes(s: Shape, prec: Precision, dp: int, *, trainable: bool = True) -> int:
+    """FSDP2 over dp > 1 ranks (``distributed.wrap_fsdp``): the parameters a rank holds whole while a
+    forward or backward runs: the root's (embeddings, final norm: (V d + d) b_p, kept gathered from
+    the forward to the backward) and two decoder layers in the compute dtype (the one running and
+    the one prefetched), plus a layer's gradients before their reduce-scatter. 0 on one rank."""
+    if dp <= 1:
+        return 0
+    root = (s.embedding * (1 if s.tied else 2) + s.d) * prec.param
+    layers = 2 * s.layer_params * prec.compute
+    grads = s.layer_params * prec.param if trainable else 0
+    return root + layers + grads
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Stage:
+    """One stage of a step: what is in memory at its peak, term by term (bytes per rank)."""
+
+    name: str
+    terms: dict[str, int]
+    key: str = ""
+    """The config key that makes this stage smaller."""
+    seconds: float | None = None
+    """Its arithmetic time on the device (FLOPs / peak, or bytes / bandwidth), None when unknown."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.terms.values())
+
+
+@dataclass
+class Plan:
+    """A recipe's stages on a device, and what fits."""
+
+    recipe: str
+    device: Device
+    stages: list[Stage]
+    facts: list[str] = field(default_factory=list)
+    """Lines about the run's shape: the model, the layout, the largest micro-batch."""
+    fits: list[str] = field(default_factory=list)
+    """The largest settings that fit, as 'key: value' lines."""
+    ranks: int = 1
+    """Processes sharing the device's memory (torchrun on one CPU machine: all of them)."""
+
+    @property
+    def peak(self) -> Stage:
+        return max(self.stages, key=lambda st: st.total)
+
+    @property
+    def need(self) -> int:
+        """Bytes the device must have: the peak, times the ranks that share it."""
+        return self.peak.total * self.ranks
+
+    @property
+    def fits_device(self) -> bool:
+        return self.need <= self.device.available
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB: 0.37 GiB, 12.4 GiB, 141 GiB."""
+    v = n / GiB
+    return f"{v:.2f} GiB" if v < 10 else f"{v:.1f} GiB" if v < 100 else f"{v:.0f} GiB"
+
+
+def _cell(n: int) -> str:
+    if not n:
+        return "-"
+    v = n / GiB
+    return f"{v:.3f}" if v < 1 else f"{v:.2f}" if v < 100 else f"{v:.0f}"
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a table, GiB per rank: one row per term, one column per stage, the peak, what fits
+    and the arithmetic step time."""
+    dev = plan.device
+    head = f"relign plan {plan.recipe} on {dev.name}: {gib(dev.available)} available"
+    if dev.tflops:
+        head += f", bf16 {dev.tflops:g} TFLOP/s, {dev.tbs:g} TB/s"
+    lines = [head] + [f"  {f}" for f in plan.facts] + [""]
+    terms: list[str] = []
+    for st in plan.stages:
+        terms += [t for t, v in st.terms.items() if t not in terms and v]
+    width = max(len(t) for t in [*terms, "total"]) + 2
+    cols = [max(9, len(st.name) + 1) for st in plan.stages]
+    lines.append(f"{'GiB per rank':<{width}}" + "".join(f"{st.name:>{w}}" for st, w in zip(plan.stages, cols)))
+    for t in terms:
+        lines.append(f"{t:<{width}}" + "".join(f"{_cell(st.terms.get(t, 0)):>{w}}" for st, w in zip(plan.stages, cols)))
+    lines.append(f"{'total':<{width}}" + "".join(f"{_cell(st.total):>{w}}" for st, w in zip(plan.stages, cols)))
+    peak = plan.peak
+    share = plan.need / dev.available if dev.available else math.inf
+    ranks = f" x {plan.ranks} ranks on this machine = {gib(plan.need)}" if plan.ranks > 1 else ""
+    lines += ["", f"peak: {gib(peak.total)} in {peak.name}{ranks}, {share:.0%} of {gib(dev.available)}: "
+                  + ("fits" if plan.fits_device else f"does not fit (change {peak.key})")]
+    lines += [f"fits: {f}" for f in plan.fits]
+    timed = [st for st in plan.stages if st.seconds is not None]
+    if timed:
+        lines.append("step time (arithmetic bound at the device's peak): " + ", ".join(
+            f"{st.name} {format_seconds(st.seconds)}" for st in timed) + f"; total {format_seconds(sum(st.seconds for st in timed))}")
+    return "\n".join(lines)
+
+
+def format_seconds(s: float) -> str:
+    """0.42 ms, 12.3 ms, 1.25 s (three significant digits)."""
+    if s < 1:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s:.3g} s"
+
+
+def refusal(plan: Plan) -> str | None:
+    """One line when the plan does not fit its device (else None): the stage, the predicted and
+    available bytes, and the key to change."""
+    if plan.fits_device:
+        return None
+    peak = plan.peak
+    ranks = f" x {plan.ranks} ranks" if plan.ranks > 1 else ""
+    hint = next((f for f in plan.fits if f.startswith(peak.key)), "")
+    hint = f" ({hint})" if hint else ""
+    return (f"plan: the {peak.name} stage needs {gib(peak.total)}{ranks} per step, more than the {gib(plan.device.available)} "
+            f"available on {plan.device.name}: lower {peak.key}{hint}, or set plan.check=false to start anyway")
+
+
+def largest_fitting(fits: Callable[[int], bool], low: int, high: int) -> int:
+    """The largest value v in [low, high] with ``fits(v)`` (``fits`` falls as v grows), 0 when none:
+    a bisection, ~log2(high) calls."""
+    if high < low or not fits(low):
+        return 0
+    if fits(high):
+        return high
+    lo, hi = low, high  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def per_token_bytes(s: Shape, prec: Precision, *, lean: bool = True, checkpointing: bool = False, packed: bool = True,
+                    logit_share: float = 1.0) -> float:
+    """A training micro-batch's bytes per token: its saved activations, rotary table and head inputs,
+    plus its logits at a ``logit_share`` of its positions, priced at 4 V x 4 bytes (the saved fp32
+    logits and the three temporaries of one chunk's backward, ``logits_bytes``)."""
+    act = activation_bytes(s, 1, 0, prec, lean=lean, checkpointing=checkpointing, packed=packed)
+    return act + logit_share * (head_input_bytes(s, 0, 1, prec) + 16 * s.vocab)
+
+
+def fitting_tokens(s: Shape, prec: Precision, free: int, *, lean: bool = True, checkpointing: bool = False,
+                   packed: bool = True, logit_share: float = 1.0, margin: float = 0.9) -> int:
+    """The largest token budget of one forward/backward pass that fits ``free`` bytes (what a device has
+    once the weights, gradients and optimizer state are in place): margin x free / ``per_token_bytes``.
+    For sizing micro-batches from free memory (e.g. ``torch.cuda.mem_get_info`` after loading)."""
+    per = per_token_bytes(s, prec, lean=lean, checkpointing=checkpointing, packed=packed, logit_share=logit_share)
+    return max(0, int(margin * free / per))
+
+
+def env_local_ranks() -> int:
+    """Processes of this launch on this machine (torchrun's LOCAL_WORLD_SIZE; 1 without torchrun)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1

@@ -1,0 +1,467 @@
+"""Each recipe's memory plan from its config (``relign plan``, ``--dry-run``, the refusal in ``frame.open``).
+
+The terms are ``relign.plan``'s pure functions; this module reads a recipe's config to know which
+stages the recipe runs and what each one holds at its peak, per rank:
+
+    sft, rm   train (the largest micro-batch's forward and backward), optimizer, eval
+    dpo       reference (the precompute, no gradients), train, optimizer, eval
+    rl        rollout, reference, old_logps, values, update, critic update, optimizer
+
+The plan is the worst case the config allows: every row at ``data.max_length``, every prompt at
+``task.max_prompt_length`` and every response at its token budget, all its positions scored. A run
+stops at ``frame.open`` (before any weights load) when the peak exceeds what the device has,
+unless ``plan.check=false``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+from .. import distributed
+from .. import plan as P
+from ..checks import get_key
+from ..config import ConfigError
+from ..data.balance import micro_batch_plan
+from ..models.loading import resolve_model_path
+from ..models.varlen import SUPPORTED
+from ..rundir import dry_run_requested, is_nested
+
+# --------------------------------------------------------------------------- the model
+
+
+def read_shape(path: str, *, trust_remote_code: bool = False, key: str = "model.path") -> P.Shape:
+    """The model's shape from its config.json alone (``tiny:SIZE`` builds the tiny model first)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}={path}: cannot read the model's config: {str(e).splitlines()[0]}") from None
+    config = getattr(config, "text_config", None) or config
+    return P.Shape.of(config)
+
+
+class Model:
+    """A recipe's model in numbers: shape, precision, parameters (all, trainable) and its options."""
+
+    def __init__(self, m: Any, shape: P.Shape, *, tp: int = 1, dp: int = 1):
+        self.s, self.prec = shape, P.Precision.of(m.dtype)
+        self.lean, self.ckpt = m.lean_activations, m.gradient_checkpointing
+        self.lora = m.lora.r if m.lora.enabled else 0
+        adapter = shape.lora_params(m.lora.r, m.lora.target_modules) if self.lora else 0
+        # tensor parallel splits the layers' projections; FSDP shards what a rank keeps over dp
+        local = shape.params - shape.layers * (shape.attention_linear + shape.mlp_linear) * (1 - 1 / tp)
+        self.weights = int(local / dp) * self.prec.param + int(adapter / dp) * 4  # peft keeps adapters fp32
+        self.trainable = int(adapter / dp) if self.lora else int(local / dp)
+        self.grad_p = 4 if self.lora else self.prec.param
+        self.tp, self.dp = tp, dp
+        # the largest trainable tensor (its float64 copy when the gradient norm is taken)
+        self.largest = (shape.d * max(shape.q_width, shape.intermediate) if self.lora == 0 else 0) // tp
+        self.largest = max(self.largest, shape.embedding) // dp if not self.lora else \
+            max(self.lora * max(shape.d, shape.intermediate), 1) // dp
+        self.packed_attention = shape.model_type in SUPPORTED and m.attn_implementation == "sdpa"
+
+    def states(self, *, grads: bool) -> dict[str, int]:
+        """Weights, AdamW's state and (``grads``) the gradients, this rank's share."""
+        out = {"weights": P.weight_bytes(self.weights, 1), "AdamW state": P.adamw_bytes(self.trainable, self.grad_p)}
+        if grads:
+            out["gradients"] = P.grad_bytes(self.trainable, self.grad_p)
+        return out
+
+    def train_pass(self, tokens: int, positions: int, *, packed: bool, rope: int, accum: bool,
+                   head: bool = True) -> dict[str, int]:
+        """The forward/backward of one micro-batch at the heavier of its two peaks, states included:
+        the start of the loss's backward (saved activations, autocast's weight copies, the loss's
+        logits; the gradients only when an earlier micro-batch of the step left them: ``accum``), or
+        the end of the backward (every gradient, and the embedding's being summed). FSDP's
+        gathered layers at both."""
+        s, prec = self.s, self.prec
+        lean = self.lean and not self.lora  # peft's projections send the lean SwiGLU to the module's own forward
+        fsdp = {"FSDP gathered": P.fsdp_gather_bytes(s, prec, self.dp)}
+        loss = {**self.states(grads=accum),
+                "activations": P.activation_bytes(s, tokens, positions if head else 0, prec, lean=lean,
+                                                  checkpointing=self.ckpt, packed=packed, rope_positions=rope),
+                "autocast copies": P.autocast_copy_bytes(s, prec, lean=lean, layers=1 if self.ckpt else None) // self.tp,
+                "logits": P.logits_bytes(positions, s.vocab) if head else 0, **fsdp}
+        end = {**self.states(grads=True), **fsdp,
+               "embedding gradients": 0 if self.lora else P.embedding_grad_bytes(s, self.grad_p, accumulating=accum,
+                                                                                  head=head) // self.dp}
+        return loss if sum(loss.values()) >= sum(end.values()) else end
+
+    def optimizer_step(self) -> dict[str, int]:
+        """The optimizer step: the states and the gradient norm's float64 copy of the largest gradient."""
+        return {**self.states(grads=True), "optimizer step": P.grad_norm_bytes(self.largest)}
+
+    def nograd_pass(self, tokens: int, positions: int) -> int:
+        return P.nograd_forward_bytes(self.s, tokens, positions, self.prec) + P.fsdp_gather_bytes(self.s, self.prec, self.dp,
+                                                                                                  trainable=False)
+
+    def flops(self, tokens: int, positions: int, pairs: float) -> float:
+        """A forward's FLOPs (``plan.Flops``): tokens through the decoder, logits, attention pairs."""
+        f = P.Flops(self.s)
+        return tokens * f.token + positions * f.head + pairs * f.pair
+
+
+def _ranks(cfg: Any, world: int) -> tuple[int, int, int]:
+    """(dp, cp, tp) of the run's mesh over ``world`` ranks."""
+    par = getattr(cfg, "parallel", None)
+    tp, cp = (par.tp_size, par.cp_size) if par is not None else (1, 1)
+    return max(1, world // (tp * cp)), cp, tp
+
+
+def _seconds(flops: float, device: P.Device) -> float | None:
+    return flops / (device.tflops * 1e12) if device.tflops else None
+
+
+def _causal(n: int) -> float:
+    return n * (n + 1) / 2
+
+
+def _facts(cfg: Any, model: Model, world: int) -> list[str]:
+    m, s = cfg.model, model.s
+    dp, cp, tp = _ranks(cfg, world)
+    opts = [m.dtype, "lean activations" if m.lean_activations else "no lean activations"]
+    if m.gradient_checkpointing:
+        opts.append("gradient checkpointing")
+    if m.lora.enabled:
+        opts.append(f"LoRA r {m.lora.r}")
+    mesh = f", {world} ranks (dp {dp}, cp {cp}, tp {tp})" if world > 1 else ", 1 rank"
+    return [f"model {m.path}: {s.model_type or 'decoder'}, {s.params / 1e6:,.1f}M parameters "
+            f"(d {s.d}, {s.layers} layers, {s.heads}/{s.kv_heads} heads, I {s.intermediate}, V {s.vocab:,}); "
+            + ", ".join(opts) + mesh]
+
+
+# --------------------------------------------------------------------------- sft, rm
+
+
+def _eval_rows(cfg: Any) -> bool:
+    d = cfg.data
+    return bool(d.eval_path or d.eval_fraction > 0)
+
+
+def plan_sft(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1, *, recipe: str = "sft") -> P.Plan:
+    """SFT (``recipes/sft.py``): micro-batches of ``micro_batch_size`` rows of ``data.max_length``
+    tokens (packed: one row; else padded), every position after each row's first scored; the
+    held-out loss in padded batches of ``eval_batch_size`` rows. The reward model (``rm``) is the
+    same with pairs (two rows each) and a scalar head instead of the logits."""
+    dp, cp, tp = _ranks(cfg, world)
+    model = Model(cfg.model, shape, tp=tp, dp=dp)
+    Lmax = cfg.data.max_length
+    rows = cfg.micro_batch_size * (2 if recipe == "rm" else 1)
+    tokens = rows * Lmax // cp
+    lm = recipe == "sft"
+    positions = rows * (Lmax - 1) // cp if lm else 0
+    packed = recipe == "sft" and cfg.packing and model.packed_attention
+    accum = cfg.batch_size // dp // cfg.micro_batch_size > 1
+    rope = tokens if recipe == "sft" and cfg.packing else Lmax
+    per_step = cfg.batch_size * (2 if recipe == "rm" else 1) // dp
+    step_flops = 3 * model.flops(per_step * Lmax, per_step * (Lmax - 1) if lm else 0, per_step * _causal(Lmax))
+    train = P.Stage("train", model.train_pass(tokens, positions, packed=packed, rope=rope, accum=accum, head=lm),
+                    key="micro_batch_size", seconds=_seconds(step_flops, device))
+    stages = [train, P.Stage("optimizer", model.optimizer_step(), key="optim")]
+    if _eval_rows(cfg):
+        ev = cfg.eval_batch_size * (2 if recipe == "rm" else 1)
+        stages.append(P.Stage("eval", {**model.states(grads=False),
+                                       "forward (no grad)": model.nograd_pass(ev * Lmax, ev * (Lmax - 1) if lm else 0)},
+                              key="eval_batch_size"))
+    facts = _facts(cfg, model, world) + [
+        f"largest micro-batch: {rows} rows x {Lmax} tokens = {tokens:,} tokens "
+        f"({'packed' if recipe == 'sft' and cfg.packing else 'padded'}), logits at {positions:,} positions"
+        + (f"; {cfg.batch_size // dp // cfg.micro_batch_size} micro-batches per step" if accum else "")]
+    return P.Plan(recipe, device, stages, facts)
+
+
+def plan_rm(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Plan:
+    return plan_sft(cfg, shape, device, world, recipe="rm")
+
+
+# --------------------------------------------------------------------------- dpo
+
+REFERENCE_FREE = ("simpo", "orpo")
+"""The losses of ``preference.PAIR_LOSSES`` that read no reference (that module imports the frame, which
+imports this one; tests/test_plan.py keeps the two in step)."""
+
+
+
+def plan_dpo(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Plan:
+    """DPO and its family (``recipes/preference.py``): each pair is prompt + chosen and prompt +
+    rejected; with ``share_prompt`` on a model varlen covers, one packed row per micro-batch that
+    runs the prompt once (a pair is then at most ``2 data.max_length`` tokens, its responses scored).
+    The reference log-probs are precomputed before the first step (``reference=precompute``) in
+    batches of ``eval_batch_size`` pairs, or a frozen copy scores every micro-batch (``online``)."""
+    dp, cp, tp = _ranks(cfg, world)
+    model = Model(cfg.model, shape, tp=tp, dp=dp)
+    Lmax, kto = cfg.data.max_length, cfg.loss == "kto"
+    per_pair = Lmax if kto else 2 * Lmax  # the worst case: prompt of 1 token, both responses of Lmax - 1
+    pairs = cfg.micro_batch_size
+    tokens = pairs * per_pair // cp
+    positions = pairs * (per_pair - (1 if kto else 2)) // cp
+    packed = (cfg.packing or (cfg.share_prompt and not kto)) and model.packed_attention
+    accum = cfg.batch_size // dp // pairs > 1
+    ref = cfg.loss not in REFERENCE_FREE
+    online = {}
+    if ref and cfg.reference == "online" and not cfg.model.lora.enabled:
+        online = {"reference": P.weight_bytes(model.s.params // dp, model.prec.param)}
+    per_step = cfg.batch_size // dp
+    step_flops = 3 * model.flops(per_step * per_pair, per_step * per_pair, per_step * 2 * _causal(Lmax))
+    stages = []
+    if ref and cfg.reference == "precompute":
+        ev = cfg.eval_batch_size
+        # before the first step: the policy scores the pairs, AdamW has no state yet
+        stages.append(P.Stage("reference", {"weights": P.weight_bytes(model.weights, 1),
+                                            "forward (no grad)": model.nograd_pass(ev * per_pair, ev * per_pair)},
+                              key="eval_batch_size"))
+    stages.append(P.Stage("train", {**model.train_pass(tokens, positions, packed=packed, rope=tokens if packed else Lmax,
+                                                       accum=accum), **online},
+                          key="micro_batch_size", seconds=_seconds(step_flops, device)))
+    stages.append(P.Stage("optimizer", {**model.optimizer_step(), **online}, key="optim"))
+    if _eval_rows(cfg):
+        ev = cfg.eval_batch_size
+        stages.append(P.Stage("eval", {**model.states(grads=False), **online,
+                                       "forward (no grad)": model.nograd_pass(ev * per_pair, ev * per_pair)},
+                              key="eval_batch_size"))
+    facts = _facts(cfg, model, world) + [
+        f"largest micro-batch: {pairs} {'examples' if kto else 'pairs'} of up to {per_pair:,} tokens = {tokens:,} tokens "
+        f"({'packed' if packed else 'padded'}), logits at {positions:,} positions"
+        + (f"; {cfg.batch_size // dp // pairs} micro-batches per step" if accum else "")]
+    return P.Plan("dpo", device, stages, facts)
+
+
+# --------------------------------------------------------------------------- rl
+
+
+class Micro:
+    """The largest micro-batch ``rl_update.plan`` cuts from ``items`` items of ``size`` tokens (groups
+    or sequences, all at the worst-case lengths), over ``dp`` ranks: its tokens, sequences, passes."""
+
+    def __init__(self, items: int, size: int, seqs_per_item: int, *, dp: int, max_tokens: int, max_rows: int):
+        max_items = max(1, max_rows // seqs_per_item) if max_rows else 0
+        split = max_rows and seqs_per_item > max_rows  # a group larger than the row budget runs in parts
+        plan = micro_batch_plan([size] * items, ranks=dp, max_tokens=max_tokens, max_items=max_items)[0]
+        largest = max((len(part) for part in plan), default=0)
+        self.parts = math.ceil(seqs_per_item / max_rows) if split else 1
+        self.items, self.passes = largest, len(plan) * self.parts
+        self.seqs = largest * seqs_per_item // self.parts
+        self.tokens = largest * size // self.parts
+
+
+def plan_rl(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Plan:
+    """RL (``recipes/rl.py``): the HF or vLLM engine samples ``prompts_per_step`` x ``rollout.n``
+    completions; the reference, old log-probs, values and updates run micro-batches that
+    ``rl_update.plan`` cuts by ``max_tokens_per_micro`` and ``micro_batch_size`` (groups whole where
+    a prompt runs once); every prompt at ``task.max_prompt_length`` and every response at its
+    budget."""
+    ro, a, t, m = cfg.rollout, cfg.algorithm, cfg.task, cfg.model
+    dp, cp, tp = _ranks(cfg, world)
+    model = Model(m, shape, tp=tp, dp=dp)
+    s, prec = shape, model.prec
+    n, Pl = ro.n, t.max_prompt_length
+    R = ro.max_response_tokens or ro.max_new_tokens * max(1, ro.max_turns)
+    share = cfg.share_prompt and n > 1
+    pack = cfg.packing or (share and model.packed_attention)
+    continued = share and model.packed_attention
+    G = n if (share and (continued or not pack)) else 1
+    if G == 1:
+        size = Pl + R
+    elif pack:
+        size = Pl + n * R + n - 1  # [prompt, y_1][prompt[-1], y_2]...: the prompt once, its last token again
+    else:
+        size = Pl + n * R  # the prompt once against its KV cache, the responses padded
+    items = cfg.prompts_per_step * (1 if G > 1 else n)
+    whole = Micro(items, size, G, dp=dp, max_tokens=cfg.max_tokens_per_micro, max_rows=cfg.micro_batch_size)
+    mini = Micro(max(1, items // a.mini_batches), size, G, dp=dp, max_tokens=cfg.max_tokens_per_micro,
+                 max_rows=cfg.micro_batch_size)
+    positions = mini.seqs * R
+    kl = a.kl != "none"
+    estimator_values = a.advantage == "gae"
+    reuse = a.ppo_epochs * a.mini_batches > 1 or a.tis_cap > 0 or a.kl == "reward" or ro.max_staleness > 0
+    # ---- what stays in memory the whole step
+    ref = {"reference": P.weight_bytes(s.params // dp, prec.param)} if kl and not m.lora.enabled else {}
+    critic = {}
+    if estimator_values:
+        c_params = s.params // dp + s.d + 1
+        critic = {"critic": P.weight_bytes(c_params, prec.param) + P.adamw_bytes(c_params, prec.param)}
+    keep = {**model.states(grads=False), **ref, **critic}
+    # ---- rollout: the engine's cache and weight copies (one process: the HF engine shares the policy)
+    prompts_rank = max(1, cfg.prompts_per_step // world)
+    rows = min(max(1, ro.max_batch_rows // n), prompts_rank) * n
+    if ro.engine == "vllm":
+        engine = _vllm_terms(cfg, s, prec, device, rows, Pl + R)
+    else:
+        b = prec.compute
+        fast = ro.fast_decode and s.model_type in ("llama", "qwen2", "qwen3") and not m.lora.enabled
+        engine = {"engine KV cache": P.kv_cache_bytes(s, rows, Pl + ro.max_new_tokens, b),
+                  "engine weights": (P.decode_copy_bytes(s, b) if fast else 0)
+                  + (P.weight_bytes(s.params, prec.param) if world > 1 else 0),  # a full replica per rank under torchrun
+                  "decode": max(P.decode_step_bytes(s, rows), P.nograd_forward_bytes(s, rows // n * Pl, 0, prec))}
+    asleep = {k: v for k, v in engine.items() if k == "engine weights" and world > 1}
+    if ro.engine == "vllm":
+        asleep = _vllm_terms(cfg, s, prec, device, rows, Pl + R, awake=False)
+    decode_bytes = s.linear_params * prec.compute
+    rollout_s = None
+    if device.tbs:  # every decode step reads the weights and the cache once: a bandwidth bound
+        steps = R * math.ceil(prompts_rank * n / rows)
+        rollout_s = steps * (decode_bytes + rows * (Pl + R / 2) * P.kv_bytes_per_token(s, prec.compute)) / (device.tbs * 1e12)
+    stages = [P.Stage("rollout", {**keep, **engine}, key="rollout.max_batch_rows", seconds=rollout_s)]
+    nograd = model.nograd_pass(whole.tokens, whole.seqs * R)
+    pass_flops = model.flops(whole.tokens * whole.passes, whole.seqs * whole.passes * R, 0)
+    if kl:
+        stages.append(P.Stage("reference", {**keep, **asleep, "forward (no grad)": nograd}, key="max_tokens_per_micro",
+                              seconds=_seconds(pass_flops, device)))
+    if reuse:
+        stages.append(P.Stage("old_logps", {**keep, **asleep, "forward (no grad)": nograd}, key="max_tokens_per_micro",
+                              seconds=_seconds(pass_flops, device)))
+    if estimator_values:
+        stages.append(P.Stage("values", {**keep, **asleep,
+                                         "forward (no grad)": P.nograd_forward_bytes(s, whole.tokens, 0, prec)},
+                              key="max_tokens_per_micro", seconds=_seconds(model.flops(whole.tokens * whole.passes, 0, 0),
+                                                                          device)))
+    accum = mini.passes > 1
+    updates = a.ppo_epochs * a.mini_batches
+    upd_flops = 3 * updates * model.flops(mini.tokens * mini.passes, positions * mini.passes, 0)
+    stages.append(P.Stage("update", {**model.train_pass(mini.tokens, positions, packed=pack, rope=mini.tokens if pack else size,
+                                                        accum=accum), **ref, **critic, **asleep},
+                          key="max_tokens_per_micro" if not cfg.micro_batch_size else "micro_batch_size",
+                          seconds=_seconds(upd_flops, device)))
+    if estimator_values:
+        c_params = s.params // dp + s.d + 1
+        crit = model.train_pass(mini.tokens, 0, packed=pack, rope=mini.tokens if pack else size, accum=accum, head=False)
+        crit = {k: v for k, v in crit.items() if k not in ("weights", "AdamW state", "gradients")}
+        stages.append(P.Stage("critic update", {**keep, **asleep, "critic gradients": P.grad_bytes(c_params, prec.param),
+                                                **{f"critic {k}": v for k, v in crit.items() if v}},
+                              key="max_tokens_per_micro", seconds=_seconds(3 * updates * model.flops(
+                                  mini.tokens * mini.passes, 0, 0), device)))
+    stages.append(P.Stage("optimizer", {**model.optimizer_step(), **ref, **critic, **asleep}, key="optim"))
+    layout = "packed" if pack else ("shared prompt, padded" if G > 1 else "padded")
+    facts = _facts(cfg, model, world) + [
+        f"rollout: {cfg.prompts_per_step} prompts x {n} samples, {rows} rows per engine call "
+        f"({ro.engine}), prompts up to {Pl} tokens, responses up to {R}",
+        f"largest update micro-batch: {mini.tokens:,} tokens ({mini.seqs} sequences, {layout}), logits at "
+        f"{positions:,} positions; {mini.passes} pass{'es' if mini.passes > 1 else ''} per update, {updates} update{'s' if updates > 1 else ''} per step"]
+    return P.Plan("rl", device, stages, facts)
+
+
+def _vllm_terms(cfg: Any, s: P.Shape, prec: P.Precision, device: P.Device, rows: int, length: int, *,
+                awake: bool = True) -> dict[str, int]:
+    """The vLLM engine (``rollout/vllm_engine.py``) colocated with the trainer. On a GPU it takes
+    ``rollout.vllm.gpu_memory_utilization`` of the device's memory (weights and KV cache; or its
+    weights plus ``kv_cache_gb``); asleep at level 1 its KV cache is freed and its weights moved to
+    CPU memory, at level 2 both freed. On a CPU its KV cache is sized from the need (a step's rows x
+    max_model_len, 64 MiB - 4 GiB) and vLLM has no sleep mode."""
+    v = cfg.rollout.vllm
+    weights = s.params * prec.compute
+    on_gpu = device.key != "cpu"
+    if on_gpu:
+        if not awake:
+            return {"engine KV cache": 0, "engine weights": 0}
+        if v.kv_cache_gb > 0:
+            return {"engine KV cache": int(v.kv_cache_gb * P.GiB), "engine weights": weights}
+        total = int(v.gpu_memory_utilization * device.memory)
+        return {"engine KV cache": max(0, total - weights), "engine weights": weights}
+    kv = int(v.kv_cache_gb * P.GiB) if v.kv_cache_gb > 0 else \
+        int(min(max(P.kv_bytes_per_token(s, prec.compute) * rows * (v.max_model_len or length), 64 * 2**20), 4 * P.GiB))
+    return {"engine KV cache": kv, "engine weights": weights}
+
+
+# --------------------------------------------------------------------------- the table, the search, the check
+
+
+PLANNERS: dict[str, Callable[..., P.Plan]] = {"sft": plan_sft, "rm": plan_rm, "dpo": plan_dpo, "rl": plan_rl}
+"""recipe -> its planner. The other recipes (rest, eval, demo, verifier's own stage) are not planned."""
+
+def _per_rank(cfg: Any, world: int) -> int:
+    return max(1, cfg.batch_size // _ranks(cfg, world)[0])
+
+
+def _rl_tokens(cfg: Any, world: int) -> int:
+    """The most tokens one rank's micro-batch can hold: its share of a mini-batch, every sequence at its budget."""
+    ro = cfg.rollout
+    seq = cfg.task.max_prompt_length + (ro.max_response_tokens or ro.max_new_tokens * max(1, ro.max_turns))
+    return max(1, cfg.prompts_per_step * ro.n // cfg.algorithm.mini_batches // _ranks(cfg, world)[0]) * seq
+
+
+# the keys a plan names the largest fitting value of, by recipe, with the value beyond which nothing changes
+# (and what that value is: "" when the search only stops there)
+SEARCH: dict[str, list[tuple[str, Callable[[Any, int], int], str]]] = {
+    "sft": [("micro_batch_size", _per_rank, "the rank's whole batch"), ("eval_batch_size", lambda c, w: 4096, "")],
+    "rm": [("micro_batch_size", _per_rank, "the rank's whole batch"), ("eval_batch_size", lambda c, w: 4096, "")],
+    "dpo": [("micro_batch_size", _per_rank, "the rank's whole batch"), ("eval_batch_size", lambda c, w: 4096, "")],
+    "rl": [("max_tokens_per_micro", _rl_tokens, "a rank's whole mini-batch in one pass"),
+           ("rollout.max_batch_rows", lambda c, w: max(1, c.prompts_per_step // w) * c.rollout.n,
+            "a rank's whole rollout in one call")],
+}
+
+
+def _set_key(cfg: Any, key: str, value: Any) -> Any:
+    out = copy.deepcopy(cfg)
+    *head, last = key.split(".")
+    setattr(get_key(out, ".".join(head)) if head else out, last, value)
+    return out
+
+
+def plan_for(cfg: Any, recipe: str, device: P.Device, *, world: int = 1, shape: P.Shape | None = None,
+             search: bool = True) -> P.Plan:
+    """The plan of ``recipe`` with ``cfg`` on ``device`` over ``world`` ranks; ``search``: also the
+    largest value of each key in ``SEARCH`` whose stages fit (``Plan.fits``)."""
+    if recipe not in PLANNERS:
+        raise ConfigError(f"relign plan covers {', '.join(PLANNERS)}; {recipe} has no plan")
+    if shape is None:
+        shape = read_shape(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    planner = PLANNERS[recipe]
+    out = planner(cfg, shape, device, world)
+    out.ranks = P.env_local_ranks() if device.key == "cpu" else 1
+    if not search:
+        return out
+    for key, high, whole in SEARCH[recipe]:
+        stages = {st.name for st in out.stages if st.key == key}
+        if not stages:
+            continue
+        now, top = get_key(cfg, key), high(cfg, world)
+
+        def fits(v: int) -> bool:
+            p = planner(_set_key(cfg, key, v), shape, device, world)
+            return all(st.total * out.ranks <= device.available for st in p.stages if st.name in stages)
+
+        best = P.largest_fitting(fits, 1, top)
+        if not best:
+            out.fits.append(f"{key}: no value fits, not even 1")
+        elif best == top and whole:
+            out.fits.append(f"{key}: any value fits ({top:,} is {whole}; now {now:,})")
+        elif best == top:
+            out.fits.append(f"{key}: {top:,} or more (now {now:,})")
+        else:
+            out.fits.append(f"{key}: up to {best:,} (now {now:,})")
+    return out
+
+
+def check(cfg: Any, recipe: str, device: Any) -> P.Plan | None:
+    """At the start of a run (``frame.open``), before any weights load: the plan on the run's device
+    (``plan.device`` names another one), printed with ``--dry-run``; a ConfigError of one line when its
+    peak exceeds the device's memory, unless ``plan.check=false``. None for a recipe without a plan,
+    or a model whose config cannot be read here (its loading will say why)."""
+    settings = getattr(cfg, "plan", None)
+    if settings is None or recipe not in PLANNERS:
+        return None
+    dry = dry_run_requested() and not is_nested()
+    if not (settings.check or dry):
+        return None
+    try:
+        shape = read_shape(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    except ConfigError:
+        return None
+    target = P.local_device(settings.device or str(device))
+    plan = plan_for(cfg, recipe, target, world=distributed.world_size(), shape=shape, search=dry or not _fits(cfg, recipe,
+                                                                                                             target, shape))
+    if dry and distributed.is_main():
+        print(P.format_plan(plan), flush=True)
+    why = P.refusal(plan) if settings.check else None
+    if why:
+        raise ConfigError(why)
+    return plan
+
+
+def _fits(cfg: Any, recipe: str, device: P.Device, shape: P.Shape) -> bool:
+    return plan_for(cfg, recipe, device, world=distributed.world_size(), shape=shape, search=False).fits_device
