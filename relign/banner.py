@@ -3,8 +3,9 @@
 A recipe calls, on every rank (only the main rank prints):
 
     banner.dry_run(...)   after its data is read, before any weights load: with --dry-run it
-                          prints the resolved config, the data counts and the model size (from
-                          the model's config on the meta device) and raises DryRunDone
+                          prints the resolved config, the data counts, the model size (from
+                          the model's config on the meta device) and the memory plan (relign
+                          plan's table) and raises DryRunDone
     banner.start(...)     once the model is built: the start banner (stderr, with the progress
                           bars); with --dry-run, the dry run, for a recipe that could not stop earlier
     banner.end(...)       the end summary (stdout): the metrics a user watches, wall time, run
@@ -32,7 +33,7 @@ from . import distributed
 from .checkpoint import latest_checkpoint
 from .config import to_yaml
 from .models.loading import count_parameters, model_size
-from .rundir import DryRunDone, dry_run_requested, is_nested, opened
+from .rundir import DryRunDone, dry_run_requested, is_nested, memory_plan, opened
 
 
 def _speaks() -> bool:
@@ -219,7 +220,8 @@ def dry_run(command: str, cfg, *, run_dir, device, data: str, steps: str, model=
                             steps=steps, run_dir=str(run_dir))
         gone = _discard_new_run_dir(Path(run_dir))
         where = "no run directory kept" if gone else f"the resolved config is in {Path(run_dir) / 'config.yaml'}"
-        print(f"# relign {command} --dry-run: the resolved config\n{to_yaml(cfg)}\n{text}\n"
+        plan = f"\n{memory_plan()}\n" if memory_plan() else ""  # relign plan's table (recipes/memory.check)
+        print(f"# relign {command} --dry-run: the resolved config\n{to_yaml(cfg)}\n{text}\n{plan}"
               f"dry run: nothing trained, no checkpoint written; {where}", flush=True)
     raise DryRunDone(command)
 

@@ -276,17 +276,18 @@ def adamw_bytes(trainable: int, p: int) -> int:
     return 2 * trainable * p
 
 
-def autocast_copy_bytes(s: Shape, prec: Precision, *, lean: bool, layers: int | None = None) -> int:
+def autocast_copy_bytes(s: Shape, prec: Precision, *, lean: bool, layers: int | None = None, tp: int = 1) -> int:
     """bf16-mixed: the bf16 copies of weights autocast casts for the products and autograd keeps for
     the backward (torch.autocast's weight cache; models/precision.py): 2 x (L x the attention
     projections + V d for the LM head), and L x 3 d I more without lean activations (the lean SwiGLU
     keeps the fp32 MLP weights and casts in its backward). ``layers``: how many layers hold their
-    copies at once (L; 1 under gradient checkpointing, whose layers run again one at a time)."""
+    copies at once (L; 1 under gradient checkpointing, whose layers run again one at a time).
+    Tensor parallel: each rank casts its 1/tp of the layers' projections, the head whole."""
     if not prec.mixed:
         return 0
     n = s.layers if layers is None else layers
     per_layer = s.attention_linear + (0 if lean else s.mlp_linear)
-    return prec.compute * (n * per_layer + s.embedding)
+    return prec.compute * (n * per_layer // tp + s.embedding)
 
 
 def embedding_grad_bytes(s: Shape, p: int, *, accumulating: bool, head: bool = True) -> int:
@@ -310,7 +311,8 @@ def grad_norm_bytes(largest: int) -> int:
 # --------------------------------------------------------------------------- terms: activations
 
 
-def layer_saved_bytes(s: Shape, tokens: int, prec: Precision, *, lean: bool = True, packed: bool = False) -> int:
+def layer_saved_bytes(s: Shape, tokens: int, prec: Precision, *, lean: bool = True, packed: bool = False,
+                      tp: int = 1) -> int:
     """What one decoder layer keeps for its backward over ``tokens`` tokens (counted on the Qwen2 /
     Llama layer with ``saved_tensors_hooks``: tests/test_plan.py), per token:
 
@@ -329,8 +331,9 @@ def layer_saved_bytes(s: Shape, tokens: int, prec: Precision, *, lean: bool = Tr
       sequence's attention output kept apart from their concatenation.
 
     Here d is the model width and H D the query width (equal for most models), as in the table of
-    docs/plan.md."""
-    d, q, kv, i, h = s.d, s.q_width, s.kv_width, s.intermediate, s.heads
+    docs/plan.md. Tensor parallel (``models/tp.py``): a rank holds 1/tp of the heads and of the MLP
+    width, so H, H D, H_kv D and I are divided by tp; the residual stream stays whole."""
+    d, q, kv, i, h = s.d, s.q_width // tp, s.kv_width // tp, s.intermediate // tp, s.heads // tp
     if prec.mixed:
         if lean:
             per = 4 * 3 * d + 2 * (3 * d + 2 * q + 2 * kv) + 2 * 2 * i
@@ -359,41 +362,53 @@ def head_input_bytes(s: Shape, tokens: int, positions: int, prec: Precision) -> 
 
 
 def activation_bytes(s: Shape, tokens: int, positions: int, prec: Precision, *, lean: bool = True,
-                     checkpointing: bool = False, packed: bool = False, rope_positions: int | None = None) -> int:
+                     checkpointing: bool = False, packed: bool = False, rope_positions: int | None = None,
+                     tp: int = 1) -> int:
     """Everything a training forward of ``tokens`` tokens keeps for its backward but the logits:
     L x ``layer_saved_bytes`` + ``position_bytes`` + ``head_input_bytes``.
 
     With gradient checkpointing (``model.gradient_checkpointing``: transformers' per-layer
     checkpoints, non-reentrant) each layer keeps only its input, L x 4 d T (the fp32 residual stream;
     2 d T under bf16), and the backward recomputes one layer at a time: + one ``layer_saved_bytes``."""
-    if checkpointing:
-        layers = s.layers * prec.param * s.d * tokens + layer_saved_bytes(s, tokens, prec, lean=lean, packed=packed)
-    else:
-        layers = s.layers * layer_saved_bytes(s, tokens, prec, lean=lean, packed=packed)
+    one = layer_saved_bytes(s, tokens, prec, lean=lean, packed=packed, tp=tp)
+    layers = s.layers * prec.param * s.d * tokens + one if checkpointing else s.layers * one
     return layers + position_bytes(s, tokens if rope_positions is None else rope_positions) + \
         head_input_bytes(s, tokens, positions, prec)
 
 
 def logits_bytes(positions: int, vocab: int, *, grad: bool = True, prec: Precision | None = None,
-                 chunk: int = CHUNK_TOKENS) -> int:
-    """The loss's logits as ``models/logprobs.selective_log_softmax`` keeps them, at their peak.
+                 chunk: int = CHUNK_TOKENS, entropy: bool = False) -> int:
+    """The loss's logits as ``models/logprobs.selective_log_softmax`` keeps them, at their peak; K
+    positions in chunks of c = min(K, 4096) (the last one c_l), b the logits' dtype (the compute's).
+    Counted with the allocator on a linear head (tests/test_plan.py).
 
-    With gradients: the fp32 logits of every kept position are saved (logsumexp keeps its input:
-    the model's fp32 logits, or each chunk's fp32 upcast of bf16 logits), and the backward of a
-    chunk's logsumexp makes three fp32 [chunk, V] temporaries (x - lse, its exp, times the
-    gradient): 4 V (K + 3 min(K, chunk)) bytes; for K = chunk, 16 K V.
-    Without gradients (a reference or eval pass): the logits in the compute dtype, the fp32 upcast
-    of a chunk and logsumexp's x - max: (b_c K + 8 min(K, chunk)) V (fp32: the upcast is the
-    logits themselves, 4 K V + 4 min(K, chunk) V)."""
+    With gradients, one chunk (K <= 4096): the fp32 logits are saved (logsumexp keeps its input:
+    the model's fp32 logits, or the fp32 upcast of bf16 ones) and the backward of logsumexp makes
+    three fp32 temporaries (x - lse, its exp, times the gradient): 16 K V bytes, whatever b.
+    Several chunks: each chunk's gradient is scattered into a full-size [K, V] buffer
+    (``SliceBackward``) and summed into another: fp32 logits 4 V max(2 K + 3 c, 3 K + c); bf16
+    logits (whose fp32 upcasts go chunk by chunk) V max(4 K + 12 c_l, 4 (K - c_l) + 2 K + 12 c).
+    ``entropy`` (RL's update logs it, detached): in the forward the entropy of each chunk beside the
+    kept logits (and bf16 logits' saved fp32 upcasts), with the chunk's softmax and logsumexp's
+    x - max (or p x), and its fp32 upcast of bf16 logits: fp32 4 K + 8 c, bf16 6 K + 12 c.
+    Without gradients (a reference or eval pass): the logits, and a chunk's fp32 upcast and
+    logsumexp's x - max: b K V + 8 c V (fp32: the upcast is the logits themselves, 4 K V + 4 c V)."""
     if positions <= 0:
         return 0
-    c = min(positions, chunk)
-    if grad:
-        return 4 * vocab * (positions + 3 * c)
-    b = prec.compute if prec is not None else 4
-    if b == 4:
-        return 4 * vocab * (positions + c)
-    return vocab * (b * positions + 8 * c)
+    K, b = positions, (prec.compute if prec is not None else 4)
+    c = min(K, chunk)
+    chunks = math.ceil(K / chunk)
+    last = K - (chunks - 1) * c
+    if not grad:
+        return vocab * (4 * K + 4 * c if b == 4 else b * K + 8 * c)
+    if chunks == 1:
+        backward = 16 * K
+    elif b == 4:
+        backward = 4 * max(2 * K + 3 * c, 3 * K + c)
+    else:
+        backward = max(4 * K + 12 * last, 4 * (K - last) + 2 * K + 12 * c)
+    forward = (4 * K + 8 * c if b == 4 else 6 * K + 12 * c) if entropy else 0
+    return vocab * max(backward, forward)
 
 
 def nograd_forward_bytes(s: Shape, tokens: int, positions: int, prec: Precision) -> int:
@@ -464,6 +479,31 @@ class Stage:
         return sum(self.terms.values())
 
 
+@dataclass(frozen=True)
+class Fit:
+    """The largest value of a config key whose stages fit the device."""
+
+    key: str
+    value: int
+    """0: not even 1 fits."""
+    now: int
+    whole: str = ""
+    """What ``value`` is when it is the search's top (e.g. "the rank's whole batch"); "" when the search stops there."""
+    top: bool = False
+    """``value`` is the top of the search: every larger value is the same plan (or was not searched)."""
+    stages: tuple[str, ...] = ()
+    """The stages the key sizes (whose fit decided ``value``)."""
+
+    def __str__(self) -> str:
+        if not self.value:
+            return f"{self.key}: no value fits, not even 1"
+        if self.top and self.whole:
+            return f"{self.key}: any value fits ({self.value:,} is {self.whole}; now {self.now:,}{' = no limit' if not self.now else ''})"
+        if self.top:
+            return f"{self.key}: {self.value:,} or more (now {self.now:,})"
+        return f"{self.key}: up to {self.value:,} (now {self.now:,}{' = no limit' if not self.now else ''})"
+
+
 @dataclass
 class Plan:
     """A recipe's stages on a device, and what fits."""
@@ -473,8 +513,8 @@ class Plan:
     stages: list[Stage]
     facts: list[str] = field(default_factory=list)
     """Lines about the run's shape: the model, the layout, the largest micro-batch."""
-    fits: list[str] = field(default_factory=list)
-    """The largest settings that fit, as 'key: value' lines."""
+    fits: list[Fit] = field(default_factory=list)
+    """The largest settings that fit."""
     ranks: int = 1
     """Processes sharing the device's memory (torchrun on one CPU machine: all of them)."""
 
@@ -490,6 +530,14 @@ class Plan:
     @property
     def fits_device(self) -> bool:
         return self.need <= self.device.available
+
+
+def count(n: int) -> str:
+    """494,032,768 -> 494M, 1,084,032 -> 1.08M (three significant digits)."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
 
 
 def gib(n: float) -> str:
@@ -526,7 +574,7 @@ def format_plan(plan: Plan) -> str:
     share = plan.need / dev.available if dev.available else math.inf
     ranks = f" x {plan.ranks} ranks on this machine = {gib(plan.need)}" if plan.ranks > 1 else ""
     lines += ["", f"peak: {gib(peak.total)} in {peak.name}{ranks}, {share:.0%} of {gib(dev.available)}: "
-                  + ("fits" if plan.fits_device else f"does not fit (change {peak.key})")]
+                  + ("fits" if plan.fits_device else f"does not fit: {change(plan)}")]
     lines += [f"fits: {f}" for f in plan.fits]
     timed = [st for st in plan.stages if st.seconds is not None]
     if timed:
@@ -542,17 +590,35 @@ def format_seconds(s: float) -> str:
     return f"{s:.3g} s"
 
 
+STATES = ("weights", "gradients", "AdamW state", "reference", "critic")
+"""The terms no micro-batch size changes."""
+
+
+def change(plan: Plan) -> str:
+    """What to change when the plan does not fit: the key that sizes the peak stage, with the largest value
+    that fits (the stage's own key first; e.g. micro_batch_size splits the RL groups a token budget
+    cannot), or, when the model's states alone do not fit, fewer trainable weights or more ranks."""
+    peak, dev = plan.peak, plan.device
+    found = sorted((f for f in plan.fits if peak.name in f.stages and f.value), key=lambda f: f.key != peak.key)
+    states = sum(v for k, v in peak.terms.items() if k in STATES) * plan.ranks
+    if found:
+        f = found[0]
+        return f"lower {f.key} to {f.value:,} or less (now {f'{f.now:,}' if f.now else 'no limit'})"
+    if states > dev.available:
+        return (f"its weights, gradients and AdamW state alone take {gib(states)}: train fewer weights "
+                "(model.lora.enabled=true) or shard them over more GPUs (torchrun: FSDP)")
+    return f"lower {peak.key}"
+
+
 def refusal(plan: Plan) -> str | None:
     """One line when the plan does not fit its device (else None): the stage, the predicted and
-    available bytes, and the key to change."""
+    available bytes, and the key to change (``change``)."""
     if plan.fits_device:
         return None
-    peak = plan.peak
-    ranks = f" x {plan.ranks} ranks" if plan.ranks > 1 else ""
-    hint = next((f for f in plan.fits if f.startswith(peak.key)), "")
-    hint = f" ({hint})" if hint else ""
-    return (f"plan: the {peak.name} stage needs {gib(peak.total)}{ranks} per step, more than the {gib(plan.device.available)} "
-            f"available on {plan.device.name}: lower {peak.key}{hint}, or set plan.check=false to start anyway")
+    peak, dev = plan.peak, plan.device
+    ranks = f" x {plan.ranks} ranks on this machine" if plan.ranks > 1 else ""
+    return (f"plan: the {peak.name} stage needs {gib(peak.total)} per rank{ranks}, more than the {gib(dev.available)} "
+            f"available on {dev.name}; {change(plan)}, or set plan.check=false to start anyway")
 
 
 def largest_fitting(fits: Callable[[int], bool], low: int, high: int) -> int:
@@ -572,8 +638,9 @@ def largest_fitting(fits: Callable[[int], bool], low: int, high: int) -> int:
 def per_token_bytes(s: Shape, prec: Precision, *, lean: bool = True, checkpointing: bool = False, packed: bool = True,
                     logit_share: float = 1.0) -> float:
     """A training micro-batch's bytes per token: its saved activations, rotary table and head inputs,
-    plus its logits at a ``logit_share`` of its positions, priced at 4 V x 4 bytes (the saved fp32
-    logits and the three temporaries of one chunk's backward, ``logits_bytes``)."""
+    plus its logits at a ``logit_share`` of its positions, priced at 16 V bytes (the saved fp32
+    logits and the three temporaries of one chunk's backward, ``logits_bytes``; more chunks cost
+    less per position)."""
     act = activation_bytes(s, 1, 0, prec, lean=lean, checkpointing=checkpointing, packed=packed)
     return act + logit_share * (head_input_bytes(s, 0, 1, prec) + 16 * s.vocab)
 

@@ -55,7 +55,7 @@ _MAX_SHOWN = 8  # differing keys named in the error; the rest are counted
 # stages, ReST-EM's fine-tunes, the verifier's SFT). The console (``relign.banner``) reads it; so
 # does ``open_run``, which remembers only the outermost run's directory.
 
-_state = {"dry_run": False, "depth": 0}
+_state = {"dry_run": False, "depth": 0, "memory_plan": ""}
 
 
 class DryRunDone(Exception):
@@ -69,6 +69,16 @@ def request_dry_run(on: bool = True) -> None:
 
 def dry_run_requested() -> bool:
     return bool(_state["dry_run"])
+
+
+def set_memory_plan(text: str) -> None:
+    """The run's memory plan as ``relign plan`` prints it (``recipes/memory.check``, at the run's
+    start), for ``--dry-run`` to print beside its own summary."""
+    _state["memory_plan"] = text
+
+
+def memory_plan() -> str:
+    return str(_state["memory_plan"])
 
 
 @contextmanager

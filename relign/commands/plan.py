@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
                    help="auto (this machine: CUDA free memory, else available RAM), cpu, cuda:N, or a named GPU: "
                         + ", ".join(g[0] for g in P.GPUS) + " (default: the config's plan.device, else auto)")
     p.add_argument("--world", type=int, default=1, help="ranks of the launch (torchrun --nproc_per_node x nodes)")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # flags anywhere among the key=value overrides
     if a.world < 1:
         p.error(f"--world {a.world}: give at least 1 rank")
     module = importlib.import_module(RECIPES[a.recipe][0])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .. import distributed
@@ -27,7 +28,7 @@ from ..config import ConfigError
 from ..data.balance import micro_batch_plan
 from ..models.loading import resolve_model_path
 from ..models.varlen import SUPPORTED
-from ..rundir import dry_run_requested, is_nested
+from ..rundir import dry_run_requested, is_nested, set_memory_plan
 
 # --------------------------------------------------------------------------- the model
 
@@ -48,20 +49,25 @@ class Model:
     """A recipe's model in numbers: shape, precision, parameters (all, trainable) and its options."""
 
     def __init__(self, m: Any, shape: P.Shape, *, tp: int = 1, dp: int = 1):
+        """``tp``: the tensor-parallel degree; ``dp``: the ranks FSDP shards over (dp x cp of the mesh)."""
         self.s, self.prec = shape, P.Precision.of(m.dtype)
         self.lean, self.ckpt = m.lean_activations, m.gradient_checkpointing
         self.lora = m.lora.r if m.lora.enabled else 0
         adapter = shape.lora_params(m.lora.r, m.lora.target_modules) if self.lora else 0
         # tensor parallel splits the layers' projections; FSDP shards what a rank keeps over dp
         local = shape.params - shape.layers * (shape.attention_linear + shape.mlp_linear) * (1 - 1 / tp)
-        self.weights = int(local / dp) * self.prec.param + int(adapter / dp) * 4  # peft keeps adapters fp32
+        self.local = int(local / dp)
+        """This rank's share of the model's parameters (a frozen copy of it holds as many: the reference)."""
+        self.weights = self.local * self.prec.param + int(adapter / dp) * 4  # peft keeps adapters fp32
         self.trainable = int(adapter / dp) if self.lora else int(local / dp)
         self.grad_p = 4 if self.lora else self.prec.param
         self.tp, self.dp = tp, dp
-        # the largest trainable tensor (its float64 copy when the gradient norm is taken)
-        self.largest = (shape.d * max(shape.q_width, shape.intermediate) if self.lora == 0 else 0) // tp
-        self.largest = max(self.largest, shape.embedding) // dp if not self.lora else \
-            max(self.lora * max(shape.d, shape.intermediate), 1) // dp
+        # the largest trainable tensor, of which the gradient norm takes a float64 copy: the embedding (or an
+        # MLP projection), a LoRA factor of the MLP's width (r x I)
+        if self.lora:
+            self.largest = self.lora * max(shape.d, shape.intermediate) // dp
+        else:
+            self.largest = max(shape.embedding, shape.d * shape.intermediate // tp) // dp
         self.packed_attention = shape.model_type in SUPPORTED and m.attn_implementation == "sdpa"
 
     def states(self, *, grads: bool) -> dict[str, int]:
@@ -72,7 +78,7 @@ class Model:
         return out
 
     def train_pass(self, tokens: int, positions: int, *, packed: bool, rope: int, accum: bool,
-                   head: bool = True) -> dict[str, int]:
+                   head: bool = True, entropy: bool = False) -> dict[str, int]:
         """The forward/backward of one micro-batch at the heavier of its two peaks, states included:
         the start of the loss's backward (saved activations, autocast's weight copies, the loss's
         logits; the gradients only when an earlier micro-batch of the step left them: ``accum``), or
@@ -83,9 +89,9 @@ class Model:
         fsdp = {"FSDP gathered": P.fsdp_gather_bytes(s, prec, self.dp)}
         loss = {**self.states(grads=accum),
                 "activations": P.activation_bytes(s, tokens, positions if head else 0, prec, lean=lean,
-                                                  checkpointing=self.ckpt, packed=packed, rope_positions=rope),
-                "autocast copies": P.autocast_copy_bytes(s, prec, lean=lean, layers=1 if self.ckpt else None) // self.tp,
-                "logits": P.logits_bytes(positions, s.vocab) if head else 0, **fsdp}
+                                                  checkpointing=self.ckpt, packed=packed, rope_positions=rope, tp=self.tp),
+                "autocast copies": P.autocast_copy_bytes(s, prec, lean=lean, layers=1 if self.ckpt else None, tp=self.tp),
+                "logits": P.logits_bytes(positions, s.vocab, prec=prec, entropy=entropy) if head else 0, **fsdp}
         end = {**self.states(grads=True), **fsdp,
                "embedding gradients": 0 if self.lora else P.embedding_grad_bytes(s, self.grad_p, accumulating=accum,
                                                                                   head=head) // self.dp}
@@ -129,7 +135,7 @@ def _facts(cfg: Any, model: Model, world: int) -> list[str]:
     if m.lora.enabled:
         opts.append(f"LoRA r {m.lora.r}")
     mesh = f", {world} ranks (dp {dp}, cp {cp}, tp {tp})" if world > 1 else ", 1 rank"
-    return [f"model {m.path}: {s.model_type or 'decoder'}, {s.params / 1e6:,.1f}M parameters "
+    return [f"model {m.path}: {s.model_type or 'decoder'}, {P.count(s.params)} parameters "
             f"(d {s.d}, {s.layers} layers, {s.heads}/{s.kv_heads} heads, I {s.intermediate}, V {s.vocab:,}); "
             + ", ".join(opts) + mesh]
 
@@ -148,7 +154,7 @@ def plan_sft(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1, *, reci
     held-out loss in padded batches of ``eval_batch_size`` rows. The reward model (``rm``) is the
     same with pairs (two rows each) and a scalar head instead of the logits."""
     dp, cp, tp = _ranks(cfg, world)
-    model = Model(cfg.model, shape, tp=tp, dp=dp)
+    model = Model(cfg.model, shape, tp=tp, dp=dp * cp)
     Lmax = cfg.data.max_length
     rows = cfg.micro_batch_size * (2 if recipe == "rm" else 1)
     tokens = rows * Lmax // cp
@@ -193,7 +199,7 @@ def plan_dpo(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pl
     The reference log-probs are precomputed before the first step (``reference=precompute``) in
     batches of ``eval_batch_size`` pairs, or a frozen copy scores every micro-batch (``online``)."""
     dp, cp, tp = _ranks(cfg, world)
-    model = Model(cfg.model, shape, tp=tp, dp=dp)
+    model = Model(cfg.model, shape, tp=tp, dp=dp * cp)
     Lmax, kto = cfg.data.max_length, cfg.loss == "kto"
     per_pair = Lmax if kto else 2 * Lmax  # the worst case: prompt of 1 token, both responses of Lmax - 1
     pairs = cfg.micro_batch_size
@@ -204,7 +210,7 @@ def plan_dpo(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pl
     ref = cfg.loss not in REFERENCE_FREE
     online = {}
     if ref and cfg.reference == "online" and not cfg.model.lora.enabled:
-        online = {"reference": P.weight_bytes(model.s.params // dp, model.prec.param)}
+        online = {"reference": P.weight_bytes(model.local, model.prec.param)}
     per_step = cfg.batch_size // dp
     step_flops = 3 * model.flops(per_step * per_pair, per_step * per_pair, per_step * 2 * _causal(Lmax))
     stages = []
@@ -256,7 +262,7 @@ def plan_rl(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pla
     budget."""
     ro, a, t, m = cfg.rollout, cfg.algorithm, cfg.task, cfg.model
     dp, cp, tp = _ranks(cfg, world)
-    model = Model(m, shape, tp=tp, dp=dp)
+    model = Model(m, shape, tp=tp, dp=dp * cp)
     s, prec = shape, model.prec
     n, Pl = ro.n, t.max_prompt_length
     R = ro.max_response_tokens or ro.max_new_tokens * max(1, ro.max_turns)
@@ -274,15 +280,15 @@ def plan_rl(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pla
     whole = Micro(items, size, G, dp=dp, max_tokens=cfg.max_tokens_per_micro, max_rows=cfg.micro_batch_size)
     mini = Micro(max(1, items // a.mini_batches), size, G, dp=dp, max_tokens=cfg.max_tokens_per_micro,
                  max_rows=cfg.micro_batch_size)
-    positions = mini.seqs * R
+    positions = mini.seqs * R // cp  # context parallel: each cp rank runs its chunk of the row
     kl = a.kl != "none"
     estimator_values = a.advantage == "gae"
     reuse = a.ppo_epochs * a.mini_batches > 1 or a.tis_cap > 0 or a.kl == "reward" or ro.max_staleness > 0
     # ---- what stays in memory the whole step
-    ref = {"reference": P.weight_bytes(s.params // dp, prec.param)} if kl and not m.lora.enabled else {}
+    ref = {"reference": P.weight_bytes(model.local, prec.param)} if kl and not m.lora.enabled else {}
     critic = {}
     if estimator_values:
-        c_params = s.params // dp + s.d + 1
+        c_params = model.local + s.d + 1  # the backbone (with its unused head) and the value head
         critic = {"critic": P.weight_bytes(c_params, prec.param) + P.adamw_bytes(c_params, prec.param)}
     keep = {**model.states(grads=False), **ref, **critic}
     # ---- rollout: the engine's cache and weight copies (one process: the HF engine shares the policy)
@@ -322,13 +328,15 @@ def plan_rl(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pla
     accum = mini.passes > 1
     updates = a.ppo_epochs * a.mini_batches
     upd_flops = 3 * updates * model.flops(mini.tokens * mini.passes, positions * mini.passes, 0)
-    stages.append(P.Stage("update", {**model.train_pass(mini.tokens, positions, packed=pack, rope=mini.tokens if pack else size,
-                                                        accum=accum), **ref, **critic, **asleep},
+    stages.append(P.Stage("update", {**model.train_pass(mini.tokens // cp, positions, packed=pack,
+                                                        rope=mini.tokens // cp if pack else size,
+                                                        accum=accum, entropy=True), **ref, **critic, **asleep},
                           key="max_tokens_per_micro" if not cfg.micro_batch_size else "micro_batch_size",
                           seconds=_seconds(upd_flops, device)))
     if estimator_values:
-        c_params = s.params // dp + s.d + 1
-        crit = model.train_pass(mini.tokens, 0, packed=pack, rope=mini.tokens if pack else size, accum=accum, head=False)
+        c_params = model.local + s.d + 1  # the backbone (with its unused head) and the value head
+        crit = model.train_pass(mini.tokens // cp, 0, packed=pack, rope=mini.tokens // cp if pack else size, accum=accum,
+                                head=False)
         crit = {k: v for k, v in crit.items() if k not in ("weights", "AdamW state", "gradients")}
         stages.append(P.Stage("critic update", {**keep, **asleep, "critic gradients": P.grad_bytes(c_params, prec.param),
                                                 **{f"critic {k}": v for k, v in crit.items() if v}},
@@ -383,16 +391,36 @@ def _rl_tokens(cfg: Any, world: int) -> int:
     return max(1, cfg.prompts_per_step * ro.n // cfg.algorithm.mini_batches // _ranks(cfg, world)[0]) * seq
 
 
-# the keys a plan names the largest fitting value of, by recipe, with the value beyond which nothing changes
-# (and what that value is: "" when the search only stops there)
-SEARCH: dict[str, list[tuple[str, Callable[[Any, int], int], str]]] = {
-    "sft": [("micro_batch_size", _per_rank, "the rank's whole batch"), ("eval_batch_size", lambda c, w: 4096, "")],
-    "rm": [("micro_batch_size", _per_rank, "the rank's whole batch"), ("eval_batch_size", lambda c, w: 4096, "")],
-    "dpo": [("micro_batch_size", _per_rank, "the rank's whole batch"), ("eval_batch_size", lambda c, w: 4096, "")],
-    "rl": [("max_tokens_per_micro", _rl_tokens, "a rank's whole mini-batch in one pass"),
-           ("rollout.max_batch_rows", lambda c, w: max(1, c.prompts_per_step // w) * c.rollout.n,
-            "a rank's whole rollout in one call")],
+def _rl_rows(cfg: Any, world: int) -> int:
+    """The most sequences one rank's micro-batch can hold: its share of a mini-batch."""
+    return max(1, cfg.prompts_per_step * cfg.rollout.n // cfg.algorithm.mini_batches // _ranks(cfg, world)[0])
+
+
+_PASSES = ("reference", "old_logps", "values", "update", "critic update")
+
+
+@dataclass(frozen=True)
+class Search:
+    """A key whose largest fitting value a plan names: the stages it sizes, and the value past which
+    nothing changes (with what that value is; "" when the search only stops there)."""
+
+    key: str
+    stages: tuple[str, ...]
+    top: Callable[[Any, int], int]
+    whole: str = ""
+
+
+SEARCH: dict[str, list[Search]] = {
+    "sft": [Search("micro_batch_size", ("train",), _per_rank, "the rank's whole batch"),
+            Search("eval_batch_size", ("eval",), lambda c, w: 4096)],
+    "dpo": [Search("micro_batch_size", ("train",), _per_rank, "the rank's whole batch"),
+            Search("eval_batch_size", ("reference", "eval"), lambda c, w: 4096)],
+    "rl": [Search("max_tokens_per_micro", _PASSES, _rl_tokens, "a rank's whole mini-batch in one pass"),
+           Search("micro_batch_size", _PASSES, _rl_rows, "a rank's whole mini-batch in one pass"),
+           Search("rollout.max_batch_rows", ("rollout",), lambda c, w: max(1, c.prompts_per_step // w) * c.rollout.n,
+                  "a rank's whole rollout in one call")],
 }
+SEARCH["rm"] = SEARCH["sft"]
 
 
 def _set_key(cfg: Any, key: str, value: Any) -> Any:
@@ -415,37 +443,32 @@ def plan_for(cfg: Any, recipe: str, device: P.Device, *, world: int = 1, shape: 
     out.ranks = P.env_local_ranks() if device.key == "cpu" else 1
     if not search:
         return out
-    for key, high, whole in SEARCH[recipe]:
-        stages = {st.name for st in out.stages if st.key == key}
+    for sr in SEARCH[recipe]:
+        stages = {st.name for st in out.stages} & set(sr.stages)
         if not stages:
             continue
-        now, top = get_key(cfg, key), high(cfg, world)
+        top = sr.top(cfg, world)
 
         def fits(v: int) -> bool:
-            p = planner(_set_key(cfg, key, v), shape, device, world)
+            p = planner(_set_key(cfg, sr.key, v), shape, device, world)
             return all(st.total * out.ranks <= device.available for st in p.stages if st.name in stages)
 
         best = P.largest_fitting(fits, 1, top)
-        if not best:
-            out.fits.append(f"{key}: no value fits, not even 1")
-        elif best == top and whole:
-            out.fits.append(f"{key}: any value fits ({top:,} is {whole}; now {now:,})")
-        elif best == top:
-            out.fits.append(f"{key}: {top:,} or more (now {now:,})")
-        else:
-            out.fits.append(f"{key}: up to {best:,} (now {now:,})")
+        out.fits.append(P.Fit(sr.key, best, get_key(cfg, sr.key), sr.whole, top=best == top, stages=tuple(stages)))
     return out
 
 
 def check(cfg: Any, recipe: str, device: Any) -> P.Plan | None:
     """At the start of a run (``frame.open``), before any weights load: the plan on the run's device
-    (``plan.device`` names another one), printed with ``--dry-run``; a ConfigError of one line when its
+    (``plan.device`` names another one), which ``--dry-run`` prints (``banner.dry_run``); a ConfigError of one line when its
     peak exceeds the device's memory, unless ``plan.check=false``. None for a recipe without a plan,
     or a model whose config cannot be read here (its loading will say why)."""
+    dry = dry_run_requested() and not is_nested()
+    if dry:
+        set_memory_plan("")  # an earlier run's in this process (a notebook) is not this one's
     settings = getattr(cfg, "plan", None)
     if settings is None or recipe not in PLANNERS:
         return None
-    dry = dry_run_requested() and not is_nested()
     if not (settings.check or dry):
         return None
     try:
@@ -455,9 +478,11 @@ def check(cfg: Any, recipe: str, device: Any) -> P.Plan | None:
     target = P.local_device(settings.device or str(device))
     plan = plan_for(cfg, recipe, target, world=distributed.world_size(), shape=shape, search=dry or not _fits(cfg, recipe,
                                                                                                              target, shape))
-    if dry and distributed.is_main():
-        print(P.format_plan(plan), flush=True)
     why = P.refusal(plan) if settings.check else None
+    if dry and why and distributed.is_main():
+        print(P.format_plan(plan), flush=True)  # the table, then the refusal's one line
+    elif dry:
+        set_memory_plan(P.format_plan(plan))  # banner.dry_run prints it with the run's summary
     if why:
         raise ConfigError(why)
     return plan

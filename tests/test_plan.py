@@ -1,0 +1,326 @@
+"""relign plan (issue 47): each memory term against a count of its own (by hand, by the model's
+parameters, by autograd's saved tensors, by the allocator), the predicted peak of the shipped
+presets against the measured one, the one-line refusal before any weights load, the command and
+``--dry-run``'s table, the devices."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from relign import plan as P
+from relign.config import ConfigError
+
+from .conftest import REPO, load_script, run_cli
+
+plan_check = load_script("bench/plan_check.py", "bench_plan_check")
+
+QWEN05 = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+              intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
+
+
+def _toy(dtype=torch.float32, *, lean=True, mixed=False, vocab=1000, layers=2, **kw):
+    """A small Qwen2 (hidden 64, 4 heads of 16, 2 K/V heads, MLP 160) in train mode, as the recipes load it."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from relign.models import lean as lean_mod
+    from relign.models.precision import enable_autocast
+
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, attn_implementation="sdpa",
+                      **kw)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    if mixed:
+        enable_autocast(model)
+    if lean:
+        lean_mod.lean_activations(model)
+    return model.train(), P.Shape.of(cfg)
+
+
+# --------------------------------------------------------------------------- the terms, counted
+
+
+def test_shape_counts_the_parameters_the_model_has():
+    # hidden 64, 2 layers; per layer q 64x64 + 64 bias, k and v 64x32 + 32 bias each, o 64x64, gate/up/down
+    # 3 x 64x160, two norms of 64: 4096 + 64 + 2 (2048 + 32) + 4096 + 30720 + 128 = 43,264; embeddings 1000 x 64
+    # (tied head) and the final norm 64: 64,000 + 2 x 43,264 + 64 = 150,592
+    model, s = _toy()
+    assert s.params == 150_592 == sum(p.numel() for p in model.parameters())
+    # the weights' bytes: fp32 4 each, bf16 2 each
+    assert P.weight_bytes(s.params, 4) == sum(p.numel() * p.element_size() for p in model.parameters()) == 602_368
+    bf16, _ = _toy(torch.bfloat16)
+    assert P.weight_bytes(s.params, 2) == sum(p.numel() * p.element_size() for p in bf16.parameters())
+    # an untied head, Llama (no biases) and Qwen3 (q/k norms) count as their models do, on the meta device
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for kind, extra in (("llama", {}), ("llama", {"tie_word_embeddings": False}), ("qwen3", {"head_dim": 32})):
+        cfg = AutoConfig.for_model(kind, vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, **extra)
+        with torch.device("meta"):
+            m = AutoModelForCausalLM.from_config(cfg)
+        assert P.Shape.of(cfg).params == sum(p.numel() for p in m.parameters()), (kind, extra)
+
+
+def test_lora_counts_the_adapters_peft_makes():
+    from relign.models.loading import apply_lora
+
+    model, s = _toy(lean=False)
+    wrapped = apply_lora(model, r=4, alpha=8, dropout=0.0, target_modules=["all-linear"])
+    trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    # r (in + out) per projection: q 4 (64 + 64), k and v 4 (64 + 32) each, o 4 (64 + 64), gate and up 4 (64 + 160) each,
+    # down 4 (160 + 64): 512 + 768 + 512 + 1792 + 896 = 4,480 per layer, 2 layers
+    assert s.lora_params(4, ["all-linear"]) == trainable == 8_960
+    assert s.lora_params(4, ["q_proj", "v_proj"]) == 2 * (512 + 384)
+
+
+def test_adamw_keeps_two_fp32_copies_of_the_trainable_weights():
+    from relign.optim import build_optimizer
+
+    model, s = _toy()
+    opt = build_optimizer(model, lr=1e-3)
+    model(input_ids=torch.randint(0, 1000, (1, 8))).logits.sum().backward()
+    opt.step()
+    moments = sum(t.numel() * t.element_size() for st in opt.state.values() for k, t in st.items() if k != "step")
+    assert moments == P.adamw_bytes(s.params, 4) == 2 * 4 * 150_592
+
+
+def _saved_by_layer(model, run, layer: int = 1) -> int:
+    """Bytes of the storages autograd keeps while ``layer`` of the decoder runs its forward (each
+    storage once; the weights and the rotary table, made before the layer, left out)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    inside, seen = [False], {}
+    block = model.model.layers[layer]
+    block.register_forward_pre_hook(lambda *a: inside.__setitem__(0, True))
+    block.register_forward_hook(lambda *a: inside.__setitem__(0, False))
+    rotary: set[int] = set()
+    model.model.rotary_emb.register_forward_hook(
+        lambda m, a, out: rotary.update(t.untyped_storage().data_ptr() for t in out))
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if inside[0] and ptr not in params and ptr not in rotary:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype, lean, packed", [("fp32", True, False), ("fp32", False, False), ("bf16-mixed", True, False),
+                                                 ("bf16-mixed", False, False), ("bf16", True, False), ("fp32", True, True)])
+def test_one_layer_saves_what_the_formula_says(dtype, lean, packed):
+    from relign.models.logprobs import token_logps
+    from relign.models.varlen import packed_attention
+
+    prec = P.Precision.of(dtype)
+    model, s = _toy(torch.bfloat16 if dtype == "bf16" else torch.float32, lean=lean, mixed=dtype == "bf16-mixed")
+    T = 100
+    ids = torch.randint(0, 1000, (2, T // 2))
+    if packed:  # one row of two sequences, 30 and 70 tokens: attention sequence by sequence
+        packed_attention(model, "sdpa")
+        pos = torch.cat([torch.arange(30), torch.arange(70)])[None]
+        run = lambda: token_logps(model, ids.view(1, -1), position_ids=pos, target_mask=torch.ones(1, T))  # noqa: E731
+    else:
+        run = lambda: token_logps(model, ids, target_mask=torch.ones(2, T // 2))  # noqa: E731
+    saved = _saved_by_layer(model, run)
+    # bf16-mixed keeps autocast's bf16 copies of the layer's weights too: attention's, and the MLP's without lean
+    copies = 2 * (s.attention_linear + (0 if lean else s.mlp_linear)) if prec.mixed else 0
+    assert saved == P.layer_saved_bytes(s, T, prec, lean=lean, packed=packed) + copies
+    if (dtype, lean, packed) == ("fp32", True, False):
+        # by hand, per token: 4 x (4 x 64 + 2 x 64 + 2 x 32 + 2 x 160) (the layer's input and mid-residual, the two
+        # normalized inputs, queries and attention's output, keys and values, g and u) + 4 x 4 (log-sum-exp per
+        # head) + 2 x 4 (1/rms of each norm) = 3,096 bytes
+        assert saved == 3_096 * T
+
+
+def test_autocast_copies_are_the_ones_the_backward_keeps():
+    model, s = _toy(mixed=True)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        if t.dtype == torch.bfloat16 and t.dim() == 2 and t.untyped_storage().data_ptr() not in params \
+                and t.shape[0] * t.shape[1] in (64 * 64, 64 * 32, 1000 * 64):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=torch.randint(0, 1000, (1, 7))).logits.float().sum()
+    # 2 layers x (q 64x64 + k, v 64x32 + o 64x64) + the tied head 1000 x 64, 2 bytes each
+    assert sum(seen.values()) == P.autocast_copy_bytes(s, P.Precision.of("bf16-mixed"), lean=True) == 2 * (2 * 12_288 + 64_000)
+
+
+@pytest.mark.parametrize("K, chunk, dtype, entropy", [
+    (256, 4096, torch.float32, False), (256, 4096, torch.bfloat16, False), (1024, 256, torch.float32, False),
+    (1000, 300, torch.bfloat16, False), (256, 4096, torch.bfloat16, True), (1024, 256, torch.float32, True)])
+def test_the_loss_logits_peak_as_the_allocator_counts_it(K, chunk, dtype, entropy):
+    from torch.profiler import ProfilerActivity, profile
+
+    from relign.models.logprobs import entropy_from_logits, selective_log_softmax
+
+    V, d = 2000, 8
+    h = torch.randn(K, d, dtype=dtype, requires_grad=True)
+    w = torch.randn(V, d, dtype=dtype, requires_grad=True)
+    idx = torch.randint(0, V, (K,))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        logits = h @ w.t()  # the LM head's output; the model's forward drops it once the log-probs are taken
+        lp = selective_log_softmax(logits, idx, chunk)
+        if entropy:  # as RL's update logs it: detached, in the forward
+            entropy_from_logits(logits.detach(), chunk)
+        del logits
+        lp.sum().backward()
+    peak = plan_check.allocation_peak(prof.profiler.kineto_results)
+    prec = P.Precision.of("fp32" if dtype == torch.float32 else "bf16")
+    predicted = P.logits_bytes(K, V, prec=prec, chunk=chunk, entropy=entropy)
+    if chunk >= K:
+        # one chunk, by hand: the saved fp32 logits and three fp32 temporaries of logsumexp's backward, 16 K V;
+        # with bf16 logits' entropy in the forward, the bf16 logits (2), their saved upcast (4), and the
+        # entropy's upcast, softmax and logsumexp temporary (4 each): 18 K V
+        assert predicted == (18 if entropy and dtype == torch.bfloat16 else 16) * K * V
+    # the allocator also sees the head's small inputs' gradients and the [K] outputs: under 1% here
+    assert predicted <= peak <= predicted * 1.01
+
+
+def test_the_engine_cache_is_the_one_the_plan_counts(tiny_model_dir):
+    from relign.models.loading import load_causal_lm, load_tokenizer
+    from relign.rollout import hf_engine
+    from relign.rollout.engine import SamplingParams
+    from relign.rollout.vllm_engine import kv_bytes_per_token
+
+    model, tok = load_causal_lm(str(tiny_model_dir)).eval(), load_tokenizer(str(tiny_model_dir))
+    caches = []
+    make = hf_engine.growing_cache
+
+    def keep(config, capacity):
+        caches.append(make(config, capacity))
+        return caches[-1]
+
+    hf_engine.growing_cache = keep
+    try:
+        engine = hf_engine.HFEngine(model, tok, max_batch_rows=8)
+        prompts = [tok.encode("one two three four five"), tok.encode("six seven")]
+        engine.generate(prompts, SamplingParams(n=3, max_new_tokens=4, temperature=1.0, ignore_eos=True), seeds=[1, 2])
+    finally:
+        hf_engine.growing_cache = make
+    held = sum(t.numel() * t.element_size() for layer in caches[0].layers for t in (layer.k_buf, layer.v_buf))
+    s = P.Shape.of(model.config)
+    assert held == P.kv_cache_bytes(s, 6, max(map(len, prompts)) + 4, 4)  # 2 prompts x 3 samples
+    assert P.kv_bytes_per_token(s, 2) == kv_bytes_per_token(model.config, torch.bfloat16)
+
+
+def test_the_reference_free_losses_are_the_recipes():
+    from relign.recipes import memory, preference
+
+    assert set(memory.REFERENCE_FREE) == {k for k, row in preference.PAIR_LOSSES.items() if not row.reference}
+
+
+def test_fitting_tokens_fits_and_twice_as_many_do_not():
+    s, prec = P.Shape.of(QWEN05), P.Precision.of("bf16-mixed")
+    free = 40 * P.GiB
+    n = P.fitting_tokens(s, prec, free)
+    used = P.activation_bytes(s, n, n, prec) + P.logits_bytes(n, s.vocab, prec=prec)
+    assert 0.5 * free < used <= free  # the logits per position fall with more chunks: the estimate errs low
+    assert P.activation_bytes(s, 2 * n, 2 * n, prec) + P.logits_bytes(2 * n, s.vocab, prec=prec) > free
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def test_named_devices_and_the_gpu_checks_table():
+    h100 = P.named_device("h100")
+    assert (h100.memory, h100.available, h100.tflops, h100.tbs) == (81559 * 2**20, 81559 * 2**20 - P.GiB, 989.0, 3.35)
+    assert P.named_device("RTX4090").name == "RTX 4090 24 GB" and P.named_device("a100").key == "a100-80"
+    assert {g[0] for g in P.GPUS} >= {"h100", "h200", "a100-40", "a100-80", "l40s", "rtx4090"}
+    assert P.gpu_peak("NVIDIA H100 80GB HBM3") == (989.0, 3.35) and P.gpu_peak("NVIDIA H100 PCIe") == (756.0, 2.0)
+    assert P.gpu_peak("NVIDIA A100-SXM4-40GB")[1] == 1.555 and P.gpu_peak("NVIDIA GeForce RTX 4090")[0] == 165.2
+    with pytest.raises(ConfigError, match="'plan.device'"):
+        P.named_device("tpu-v5")
+    gpu_checks = load_script("bench/gpu_checks.py", "gpu_checks_for_plan")
+    assert gpu_checks.gpu_peak is P.gpu_peak  # one table for both
+
+
+def test_the_local_cpu_is_its_available_ram(tmp_path, monkeypatch):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailable:    8000000 kB\n")
+    monkeypatch.setitem(sys.modules, "psutil", None)  # without psutil: /proc/meminfo's MemAvailable
+    assert P.available_ram(str(meminfo)) == 8_000_000 * 1024
+    monkeypatch.setattr(P, "available_ram", lambda: 12345 * P.GiB)
+    cpu = P.local_device("cpu")
+    assert (cpu.key, cpu.available) == ("cpu", 12345 * P.GiB)
+
+
+# --------------------------------------------------------------------------- the promise: predicted vs measured
+
+
+@pytest.mark.slow(seconds=45)
+def test_predicted_peak_within_15_percent_of_the_measured_one(tiny_model_dir, tmp_path):
+    """The shipped SFT, DPO, PPO and GRPO presets at two model sizes and two micro-batch sizes, each run
+    through the CLI in this process; measured: the peak of torch's CPU allocations from the run's
+    start (bench/plan_check.py says how), predicted: the plan the run itself checked at its start."""
+    rows = plan_check.run(tmp_path, list(plan_check.CASES), tokenizer=tiny_model_dir)
+    assert len(rows) == 16
+    bad = [r for r in rows if not 0.85 <= r["ratio"] <= 1.15]
+    assert bad == [], plan_check.table(rows)
+
+
+# --------------------------------------------------------------------------- the refusal, the command, --dry-run
+
+
+@pytest.fixture(scope="module")
+def qwen05(tmp_path_factory) -> Path:
+    """A folder with Qwen2.5-0.5B's config.json only: nothing else to load."""
+    out = tmp_path_factory.mktemp("qwen05")
+    (out / "config.json").write_text(json.dumps({**QWEN05, "architectures": ["Qwen2ForCausalLM"]}))
+    return out
+
+
+def test_a_run_over_the_device_stops_in_one_line_before_any_weights_load(qwen05, tmp_path):
+    run = tmp_path / "run"
+    args = ["sft", "sft_tiny", f"model.path={qwen05}", "data.max_length=2048", "micro_batch_size=16", f"run_dir={run}"]
+    proc = run_cli(*args, "plan.device=rtx4090", check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    # the train stage, by hand: 494,032,768 fp32 weights, gradients (two micro-batches a step) and AdamW's 2 moments
+    # (16 B each: 7.36 GiB), the logits of 16 x 2,047 positions (4 chunks of 4,096: 4 x 151,936 x (3 x 32,752 + 4,096)
+    # B = 58.0 GiB), activations and the head's inputs (45.4 GiB): 111 GiB
+    assert lines == ["relign sft: error: plan: the train stage needs 111 GiB per rank, more than the 23.0 GiB available on "
+                     "RTX 4090 24 GB; lower micro_batch_size to 2 or less (now 16), or set plan.check=false to start anyway"]
+    assert not run.exists()  # it stopped before the run directory, the tokenizer and the weights (the folder has none)
+    # plan.check=false starts anyway: this folder then fails on what it lacks, not on the plan
+    proc = run_cli(*args, "plan.device=rtx4090", "plan.check=false", check=False)
+    assert proc.returncode != 0 and "plan:" not in proc.stderr
+
+
+def test_relign_plan_prints_the_worked_example_of_the_docs(qwen05):
+    """docs/plan.md's worked example (Qwen2.5-0.5B GRPO on one H100) is this command's output."""
+    args = ["plan", "rl", "grpo", f"model.path={qwen05}", "model.dtype=bf16-mixed", "rollout.n=8",
+            "rollout.max_new_tokens=512", "prompts_per_step=16", "--device", "h100"]
+    out = run_cli(*args).stdout
+    docs = (REPO / "docs" / "plan.md").read_text()
+    block = docs.split("```text\n", 1)[1].split("```", 1)[0]
+    ours = out.replace(str(qwen05), "Qwen/Qwen2.5-0.5B-Instruct")
+    assert ours == block
+    # by hand: 494,032,768 weights x 4 B = 1.84 GiB; AdamW 3.68 GiB; the update's logits at 8 x 512 positions in one
+    # chunk, the logged entropy's forward (bf16 logits, their saved fp32 upcast, three fp32 temporaries) 18 x 4,096 x
+    # 151,936 B = 10.43 GiB; the KV cache of 128 rows x 1,024 columns x 24 layers x 2 x 2 heads x 64 x 2 B = 1.50 GiB
+    assert "weights                 1.84      1.84     1.84      1.84" in out
+    assert "logits                     -         -    10.43         -" in out
+    assert "engine KV cache         1.50         -        -         -" in out
+    assert out.count("peak: 24.3 GiB in update") == 1
+    proc = run_cli(*args[:-1], "rtx4090", "prompts_per_step=64", "max_tokens_per_micro=65536", check=False)
+    assert proc.returncode == 1 and "does not fit: lower micro_batch_size to " in proc.stdout
+
+
+def test_dry_run_prints_the_plan_beside_its_summary(tiny_model_dir, tmp_path):
+    run = tmp_path / "run"
+    out = run_cli("sft", "sft_tiny", f"model.path={tiny_model_dir}", f"run_dir={run}", "--dry-run").stdout
+    summary, table = out.split("relign plan sft on this CPU (available RAM): ", 1)
+    assert "  run dir    " in summary and "GiB per rank" in table and "\npeak: " in table
+    assert table.rstrip().endswith("dry run: nothing trained, no checkpoint written; no run directory kept")
+    assert not run.exists()
