@@ -115,7 +115,8 @@ def local_device(name: str = "auto") -> Device:
         ram = available_ram()
         return Device("cpu", "this CPU (available RAM)", ram, ram)
     if name.startswith("cuda"):
-        index = torch.device(name).index or 0
+        index = torch.device(name).index
+        index = torch.cuda.current_device() if index is None else index  # a torchrun rank's own GPU
         free, total = torch.cuda.mem_get_info(index)
         gpu = torch.cuda.get_device_name(index)
         tflops, tbs = gpu_peak(gpu)
@@ -149,6 +150,11 @@ class Shape:
             (lambda k, default=None: getattr(config, k, default))
         heads = get("num_attention_heads")
         model_type = get("model_type", "") or ""
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+                   if not isinstance(get(k), int)]
+        if missing:
+            raise ConfigError(f"relign plan reads decoder configs (Llama, Qwen2/3, Mistral, ...): this {model_type or 'model'} "
+                              f"config has no {', '.join(missing)}")
         return cls(d=get("hidden_size"), layers=get("num_hidden_layers"), heads=heads,
                    kv_heads=get("num_key_value_heads") or heads, head_dim=get("head_dim") or get("hidden_size") // heads,
                    intermediate=get("intermediate_size"), vocab=get("vocab_size"),

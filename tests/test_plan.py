@@ -280,7 +280,7 @@ def qwen05(tmp_path_factory) -> Path:
     return out
 
 
-def test_a_run_over_the_device_stops_in_one_line_before_any_weights_load(qwen05, tmp_path):
+def test_a_run_over_the_device_stops_in_one_line_before_any_weights_load(qwen05, tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     args = ["sft", "sft_tiny", f"model.path={qwen05}", "data.max_length=2048", "micro_batch_size=16", f"run_dir={run}"]
     proc = run_cli(*args, "plan.device=rtx4090", check=False)
@@ -292,9 +292,10 @@ def test_a_run_over_the_device_stops_in_one_line_before_any_weights_load(qwen05,
     assert lines == ["relign sft: error: plan: the train stage needs 111 GiB per rank, more than the 23.0 GiB available on "
                      "RTX 4090 24 GB; lower micro_batch_size to 2 or less (now 16), or set plan.check=false to start anyway"]
     assert not run.exists()  # it stopped before the run directory, the tokenizer and the weights (the folder has none)
-    # plan.check=false starts anyway: this folder then fails on what it lacks, not on the plan
-    proc = run_cli(*args, "plan.device=rtx4090", "plan.check=false", check=False)
-    assert proc.returncode != 0 and "plan:" not in proc.stderr
+    # plan.check=false starts anyway: past the plan, the run loads its tokenizer and reads its data (missing here)
+    proc = run_cli(*args, "plan.device=rtx4090", "plan.check=false", f"model.tokenizer={tiny_model_dir}",
+                   f"data.path={tmp_path / 'missing.jsonl'}", check=False)
+    assert proc.returncode == 2 and "plan:" not in proc.stderr and "missing.jsonl" in proc.stderr
 
 
 def test_relign_plan_prints_the_worked_example_of_the_docs(qwen05):

@@ -26,7 +26,7 @@ from .. import plan as P
 from ..checks import get_key
 from ..config import ConfigError
 from ..data.balance import micro_batch_plan
-from ..models.loading import resolve_model_path
+from ..models.loading import check_model_source, from_pretrained_checked, resolve_model_path
 from ..models.varlen import SUPPORTED
 from ..rundir import dry_run_requested, is_nested, set_memory_plan
 
@@ -34,12 +34,15 @@ from ..rundir import dry_run_requested, is_nested, set_memory_plan
 
 
 def read_shape(path: str, *, trust_remote_code: bool = False, key: str = "model.path") -> P.Shape:
-    """The model's shape from its config.json alone (``tiny:SIZE`` builds the tiny model first)."""
+    """The model's shape from its config.json alone (``tiny:SIZE`` builds the tiny model first; a hub id
+    whose hub is unreachable reads the cached file, as the loading does, without its retries)."""
     from transformers import AutoConfig
 
+    folder = resolve_model_path(path)
     try:
-        config = AutoConfig.from_pretrained(resolve_model_path(path), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
+        local_only = check_model_source(folder, key)
+        config = from_pretrained_checked(AutoConfig, folder, key, local_only=local_only, trust_remote_code=trust_remote_code)
+    except ValueError as e:  # a model type this transformers does not know
         raise ConfigError(f"{key}={path}: cannot read the model's config: {str(e).splitlines()[0]}") from None
     config = getattr(config, "text_config", None) or config
     return P.Shape.of(config)
@@ -211,13 +214,15 @@ def plan_dpo(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pl
     online = {}
     if ref and cfg.reference == "online" and not cfg.model.lora.enabled:
         online = {"reference": P.weight_bytes(model.local, model.prec.param)}
+    # the precompute scores with the starting policy, or with a second model beside it (ref_model)
+    precompute = {"reference": P.weight_bytes(model.local, model.prec.param)} if cfg.ref_model else {}
     per_step = cfg.batch_size // dp
     step_flops = 3 * model.flops(per_step * per_pair, per_step * per_pair, per_step * 2 * _causal(Lmax))
     stages = []
     if ref and cfg.reference == "precompute":
         ev = cfg.eval_batch_size
         # before the first step: the policy scores the pairs, AdamW has no state yet
-        stages.append(P.Stage("reference", {"weights": P.weight_bytes(model.weights, 1),
+        stages.append(P.Stage("reference", {"weights": P.weight_bytes(model.weights, 1), **precompute,
                                             "forward (no grad)": model.nograd_pass(ev * per_pair, ev * per_pair)},
                               key="eval_batch_size"))
     stages.append(P.Stage("train", {**model.train_pass(tokens, positions, packed=packed, rope=tokens if packed else Lmax,
@@ -294,16 +299,20 @@ def plan_rl(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pla
     # ---- rollout: the engine's cache and weight copies (one process: the HF engine shares the policy)
     prompts_rank = max(1, cfg.prompts_per_step // world)
     rows = min(max(1, ro.max_batch_rows // n), prompts_rank) * n
+    # the HF engine's own full replica of the policy: under torchrun (the policy is sharded), rollout.overlap=thread
+    replica = ro.engine != "vllm" and (world > 1 or ro.overlap == "thread")
     if ro.engine == "vllm":
         engine = _vllm_terms(cfg, s, prec, device, rows, Pl + R)
     else:
         b = prec.compute
         fast = ro.fast_decode and s.model_type in ("llama", "qwen2", "qwen3") and not m.lora.enabled
-        engine = {"engine KV cache": P.kv_cache_bytes(s, rows, Pl + ro.max_new_tokens, b),
+        # a call's cache: its longest prompt + max_new_tokens (a multi-turn episode's later turns prompt with its history)
+        cache = Pl + ro.max_new_tokens + (R if ro.max_turns != 1 else 0)
+        engine = {"engine KV cache": P.kv_cache_bytes(s, rows, cache, b),
                   "engine weights": (P.decode_copy_bytes(s, b) if fast else 0)
-                  + (P.weight_bytes(s.params, prec.param) if world > 1 else 0),  # a full replica per rank under torchrun
+                  + (P.weight_bytes(s.params, prec.param) if replica else 0),
                   "decode": max(P.decode_step_bytes(s, rows), P.nograd_forward_bytes(s, rows // n * Pl, 0, prec))}
-    asleep = {k: v for k, v in engine.items() if k == "engine weights" and world > 1}
+    asleep = {"engine weights": P.weight_bytes(s.params, prec.param)} if replica else {}
     if ro.engine == "vllm":
         asleep = _vllm_terms(cfg, s, prec, device, rows, Pl + R, awake=False)
     decode_bytes = s.linear_params * prec.compute
@@ -476,8 +485,10 @@ def check(cfg: Any, recipe: str, device: Any) -> P.Plan | None:
     except ConfigError:
         return None
     target = P.local_device(settings.device or str(device))
-    plan = plan_for(cfg, recipe, target, world=distributed.world_size(), shape=shape, search=dry or not _fits(cfg, recipe,
-                                                                                                             target, shape))
+    world = distributed.world_size()
+    plan = plan_for(cfg, recipe, target, world=world, shape=shape, search=False)
+    if dry or not plan.fits_device:  # what fits: for the table, or for the refusal to name
+        plan = plan_for(cfg, recipe, target, world=world, shape=shape)
     why = P.refusal(plan) if settings.check else None
     if dry and why and distributed.is_main():
         print(P.format_plan(plan), flush=True)  # the table, then the refusal's one line
@@ -487,6 +498,3 @@ def check(cfg: Any, recipe: str, device: Any) -> P.Plan | None:
         raise ConfigError(why)
     return plan
 
-
-def _fits(cfg: Any, recipe: str, device: P.Device, shape: P.Shape) -> bool:
-    return plan_for(cfg, recipe, device, world=distributed.world_size(), shape=shape, search=False).fits_device
