@@ -49,7 +49,7 @@ def _nccl_semantics() -> None:
 
 def _rank(rank: int, folder: str, case: str) -> None:
     """One rank (a fork of this process: torch is imported already). Rank 1 never joins."""
-    sys.stderr = open(os.path.join(folder, f"stderr{rank}"), "w", buffering=1)  # noqa: SIM115 (until os._exit)
+    sys.stderr = open(os.path.join(folder, f"stderr{rank}"), "w", buffering=1)  # open until the watchdog's os._exit
     os.dup2(sys.stderr.fileno(), 2)  # pytest's capture holds the parent's
     torch.set_num_threads(1)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)})
