@@ -90,7 +90,7 @@ def open(cfg: Any, recipe: str, *, check: Callable[[Any], Any] | None = None, se
     device, every random stream seeded (``seed``, default ``cfg.seed``), and the run directory
     (a fresh one unless resuming the same run: ``relign.rundir``). A collective under torchrun."""
     t_start = time.perf_counter()
-    distributed.init()
+    distributed.init(wait_timeout=getattr(getattr(cfg, "rollout", None), "wait_timeout", 0.0))  # rl's deadline
     par = getattr(cfg, "parallel", None)  # the trainers' (dp, cp, tp) mesh; eval, rest and demo have none
     if par is not None:
         if par.cp_size > 1 and recipe not in ("sft", "rl", "dpo"):
