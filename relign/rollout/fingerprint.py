@@ -4,10 +4,10 @@ Why the weights and not only log-probs: one update at the learning rates RL uses
 moves the probe's log-probs by about as much as a bf16 engine's kernels blur them, so no
 log-prob tolerance separates a skipped sync from rounding. The weights themselves carry no
 such noise. After the engine's own cast, a synced engine holds exactly the numbers the
-trainer's weights round to, and sums of them in float64 agree to float64 rounding (~1e-15
-relative); an update the engine missed moves them by far more: at lr 1e-6, AdamW moves every
-weight with a gradient by ~1e-6, a change of ~1e-4 relative in fp32, and in bf16 a share of
-the elements (~1e-6 / their spacing of ~1e-4, so ~1%) crosses to the next bf16 value.
+trainer's weights round to, and float64 sums of them agree to float64 rounding (measured 0 to
+3e-16 relative, vLLM against the trainer); one AdamW step the engine missed moves them by far
+more (at lr 1e-6, each group's sum by >= 2e-8 of its sum of |x| in fp32; in bf16 by 3e-7, as a
+share of the weights crosses to the next bf16 value).
 
 The fingerprint, per group (each decoder layer; the output head; everything else): float64
 count, sum, sum of |x| and sum of squares over a fixed slice of every parameter, the first
@@ -38,10 +38,8 @@ tokens where the engine's kernels must be asked (vLLM on CPU)."""
 
 RTOL = 1e-12
 """Two fingerprints of the same numbers, summed in different orders, differ by float64 rounding:
-~log2(n) x 1.1e-16 of a group's sum of |x| (2e-15 for a 7B model's layer); measured 0 to 2e-16
-between vLLM and the trainer. A missed update moves a sum by far more: one element moved by one
-bf16 step is ~1e-8 of a 7B layer's sum of |x|, one fp32 rounding step of one element of the
-tests' micro model ~1e-11."""
+~log2(n) x 1.1e-16 of a group's sum of |x| (2e-15 for a layer of a 7B model). One weight of the
+tests' micro model moved by one float32 step (0.07 -> its next float) is 2e-11 of its layer's."""
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|decoder_layers)\.(\d+)\.")
 
