@@ -217,6 +217,9 @@ def test_lora_policy_is_pushed_merged(setup, vllm_model_dir):
         assert max_gap(policy, prompts, outs) < TOL
         with policy.disable_adapter():  # the adapter really changes the model
             assert max_gap(policy, prompts, outs) > 1e-2
+        fp = engine.weight_fingerprint()  # the sync check's trainer side merges the adapter as the sync does
+        assert differing(fp.groups, trainer_fingerprint(policy, "checkpoint", fp.dtype)) == []
+        assert len(differing(fp.groups, trainer_fingerprint(base, "checkpoint", fp.dtype))) == 4  # its 4 layers
     finally:
         engine.load_weights(checkpoint_weights(base))
 
