@@ -16,7 +16,8 @@
         6. updates      ppo_epochs x mini_batches optimizer steps of the clipped policy loss
                         (+ KL, entropy), and of the clipped value loss for the critic
         7. weight sync  to the engine (nothing to copy when the engine shares the policy), then the
-                        sync check: engine and trainer score a fixed probe, the same or the run stops
+                        sync check: the engine's weight fingerprint must equal the trainer's, and
+                        both score a fixed probe alike, or the run stops
 
 Under torchrun every rank samples its share of the prompts, the groups are gathered, and the
 sequences are balanced over ranks and micro-batches by token count (``rl_update``). Presets in
@@ -165,6 +166,7 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
         probe = probe_sequences([ids for _, ids, _ in collector.records])
     r = _Run(tok, tr.model, ref, critic, engine, collector, tr.sampler, tr.optimizer, tr.scheduler, critic_opt, layout,
              loss_fn, estimator, options, tracker, evaluator, tr.start, ahead, delimiter, probe)
+    _sync_check(r, cfg, tr.start)  # the weights the engine starts from (vLLM's first push): wrong ones cost no step
 
     def extra() -> tuple[dict, dict]:  # the engine's random stream, the batches in flight, the critic and its optimizer
         tensors, models = {"engine": engine.state_dict()}, {}
@@ -311,7 +313,8 @@ def _rollout_time(clock: StageClock, sampled: list[Sampled]) -> None:
 
 
 def _sync_check(run: _Run, cfg: Config, step: int) -> dict[str, float]:
-    """The probe's engine-vs-trainer log-prob gap after the sync (rollout/sync_check.py); stops the run above the tolerance."""
+    """After the sync (rollout/sync_check.py): the weight fingerprints must agree and the probe's engine-vs-trainer
+    log-prob gap stay under the tolerance, else SyncMismatch stops the run. Returns the gap as a metric."""
     if run.probe is None:
         return {}
     gap = check_sync(run.engine, run.policy, run.probe, pad_id=run.tok.pad_token_id, tol=cfg.rollout.sync_check_tol,
