@@ -96,6 +96,7 @@ def check_wandb(lg: LoggingConfig) -> None:
 
 
 DTYPE_CHOICES = ("fp32", "float32", "bf16", "bfloat16", "bf16-mixed")
+COMPILE_CHOICES = ("auto", "true", "false")  # model.compile (relign.models.loading.compile_enabled)
 
 
 def check_common(cfg: Any) -> None:
@@ -103,6 +104,7 @@ def check_common(cfg: Any) -> None:
     m = getattr(cfg, "model", None)
     if isinstance(m, ModelConfig):
         check_choice("model.dtype", m.dtype, DTYPE_CHOICES)
+        check_choice("model.compile", str(m.compile).lower(), COMPILE_CHOICES)
         if m.dtype in ("bf16", "bfloat16") and not m.lora.enabled and isinstance(getattr(cfg, "optim", None), OptimConfig):
             warnings.warn(
                 f"model.dtype={m.dtype} trains bf16 weights: an AdamW update smaller than about |w|/256 rounds to "

@@ -58,7 +58,12 @@ class ModelConfig:
     """Recompute activations in the backward pass to save memory."""
     lean_activations: bool = True
     """Save less for backward (relign.models.lean): SwiGLU MLPs keep g and u and recompute
-    silu(g) * u, Llama/Qwen RMSNorms recompute the normalized x. Same numbers to float rounding."""
+    silu(g) * u, Llama/Qwen RMSNorms recompute the normalized x. Same numbers to float rounding.
+    Off under model.compile (the compiler chooses what to recompute itself)."""
+    compile: str = "auto"
+    """torch.compile each decoder layer (regional compile: one graph for all layers, lengths symbolic): true,
+    false, or auto = on where measured faster (relign.models.loading.COMPILE_AUTO: off on CPU; on CUDA once
+    bench/gpu_ab.py measures it). The first steps then include the compile."""
     trust_remote_code: bool = False
     """Allow a hub model to run its own Python code. Off unless you trust the source."""
     attn_implementation: str = "sdpa"
