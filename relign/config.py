@@ -288,6 +288,9 @@ class LoggingConfig:
     """Weights & Biases project."""
     run_name: str = ""
     """Display name of the run (defaults to the run directory name)."""
+    peak_tflops: float = 0.0
+    """Peak dense bf16 TFLOP/s of one device, for perf/mfu (model FLOPs / time / devices / peak); 0 = from the
+    GPU's name (relign.models.flops.PEAKS). With neither (a CPU, an unknown GPU) runs log no perf/mfu."""
 
 
 @dataclass

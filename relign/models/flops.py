@@ -25,6 +25,8 @@ unknown GPU) there is no MFU: runs then log no ``perf/mfu`` rather than a made-u
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 # device-name fragment -> (dense bf16 TFLOP/s, HBM TB/s), most specific first (vendors' data sheets)
@@ -79,6 +81,16 @@ class ModelFlops:
         ``prefix`` earlier keys (a continuation of a shared prompt; 0: a sequence on its own),
         with the LM head at ``head`` of them."""
         return tokens * self.token + head * self.head + (self.causal(tokens) + tokens * prefix * self.pair)
+
+    def group(self, prompt: int, responses: Sequence[int], *, shared: bool, head: bool = True) -> float:
+        """Forward FLOPs of one prompt's responses, the LM head at the response tokens (none when
+        not ``head``: a reward model's or a critic's scalar head is a few FLOPs). ``shared``: the
+        prompt runs once and every response attends to it (a DPO pair, an RL group in relign's
+        shared-prompt layouts; the packed layout's repeated prompt token is layout, like padding,
+        and not counted); else every [prompt | response] row runs on its own."""
+        if shared:
+            return prompt * self.token + self.causal(prompt) + sum(self.sequence(r, r * head, prefix=prompt) for r in responses)
+        return sum(self.sequence(prompt + r, r * head) for r in responses)
 
 
 def model_flops(model: torch.nn.Module) -> ModelFlops | None:
