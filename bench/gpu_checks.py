@@ -74,20 +74,24 @@ def reward(prompt: str, response: str, extra_info: dict) -> float:
     return float(sum(map(ord, response)) % 2)
 
 
-def build_model(out: Path, shape: dict) -> int:
-    """A random model of ``shape`` with relign's tiny tokenizer; returns its parameter count."""
+def build_model(out: Path, shape: dict, *, tokenizer: bool = True) -> int:
+    """A random model of ``shape`` with relign's tiny tokenizer (``tokenizer``: saved beside it;
+    2 s to train, which ``bench/gpu_ab.py``'s sections, fed token ids, skip); returns its parameter count."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from relign.models.tiny import build_tokenizer
+    from relign.models.tiny import SPECIAL_TOKENS, build_tokenizer
 
-    tok = build_tokenizer(4096, seed=0)
-    cfg = Qwen2Config(**shape, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
+    tok = build_tokenizer(4096, seed=0) if tokenizer else None
+    # the tokenizer's special tokens come first, in SPECIAL_TOKENS' order: eos <|im_end|>, pad <|endoftext|>
+    cfg = Qwen2Config(**shape, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"),
+                      pad_token_id=SPECIAL_TOKENS.index("<|endoftext|>"))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
+    if tok is not None:
+        assert (tok.eos_token_id, tok.pad_token_id) == (cfg.eos_token_id, cfg.pad_token_id)
+        tok.save_pretrained(out)
     return sum(p.numel() for p in model.parameters())
 
 
