@@ -52,8 +52,10 @@ class ModelConfig:
     """Tokenizer folder or hub id; empty means the same as model.path."""
     dtype: str = "fp32"
     """fp32; bf16-mixed (fp32 weights and optimizer state, bf16 arithmetic: what TRL's bf16=True does;
-    the choice for training in bf16); or bf16 (bf16 weights: for inference, or LoRA on a bf16 base;
-    full-weight AdamW updates below |w|/256 round to nothing)."""
+    the choice for training in bf16); bf16-compute (fp32 weights, the forward on bf16 copies of them: the
+    residual stream and norms in bf16 too, fewer bytes, other numerics; one process, no gradient
+    checkpointing); or bf16 (bf16 weights: for inference, or LoRA on a bf16 base; full-weight AdamW updates
+    below |w|/256 round to nothing)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     lean_activations: bool = True

@@ -16,23 +16,22 @@ from typing import Any
 import torch
 from torch.nn.modules.dropout import _DropoutNd
 
-from ..checks import COMPILE_CHOICES
+from ..checks import COMPILE_CHOICES, check_compute_weights
 from ..errors import ConfigError
-from . import lean
-from .precision import autocast_dtype, enable_autocast
+from . import lean, precision
 from .tiny import SIZES, build_tiny_model
 
 log = logging.getLogger(__name__)
 
-# Parameter dtypes; bf16-mixed keeps fp32 parameters and computes in bf16 (models/precision.py).
+# Parameter dtypes; bf16-mixed and bf16-compute keep fp32 parameters and compute in bf16 (models/precision.py).
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "bf16-mixed": torch.float32}
+          "bf16-mixed": torch.float32, "bf16-compute": torch.float32}
 
 
 def resolve_dtype(name: str) -> torch.dtype:
     """The parameter dtype of ``model.dtype`` = ``name``."""
     if name not in DTYPES:
-        raise ConfigError(f"bad value for 'model.dtype': {name!r}; choose one of fp32, bf16, bf16-mixed")
+        raise ConfigError(f"bad value for 'model.dtype': {name!r}; choose one of fp32, bf16, bf16-mixed, bf16-compute")
     return DTYPES[name]
 
 
@@ -305,11 +304,13 @@ def load_causal_lm(
     key: str = "model.path",
 ):
     """A Hugging Face causal LM in train mode on ``device``, with its dropout off (``disable_dropout``).
-    ``dtype`` bf16-mixed: fp32 parameters, forward under bf16 autocast (``models.precision``).
+    ``dtype`` bf16-mixed: fp32 parameters, forward under bf16 autocast; bf16-compute: fp32
+    parameters, forward on bf16 copies of them (``models.precision``).
     ``lean_activations``: SwiGLU MLPs save less for backward (``models.lean``).
     ``key`` is the config key (or argument) that errors name."""
     from transformers import AutoModelForCausalLM
 
+    check_compute_weights(dtype, gradient_checkpointing)
     path = resolve_model_path(path)
     local_only = check_model_source(path, key)
     model = from_pretrained_checked(
@@ -322,8 +323,7 @@ def load_causal_lm(
         local_only=local_only,
     )
     to_device(model, device)
-    if autocast_dtype(dtype) is not None:
-        enable_autocast(model, autocast_dtype(dtype))
+    precision.enable(model, dtype)  # bf16-mixed: autocast; bf16-compute: bf16 weight copies
     # before any LoRA wrapping, so the adapter's own lora.dropout stays what the user asked
     disable_dropout(model)
     if lean_activations:
