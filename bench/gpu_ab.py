@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         p.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     t_start = time.perf_counter()
-    out = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": device, "smoke": a.smoke, "argv": sys.argv[1:] if argv is None else argv,
-           "sections": {}}
+    out = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": device, "smoke": a.smoke,
+           "argv": sys.argv[1:] if argv is None else argv, "sections": {}}
     for name in names:
         left = a.deadline_s - (time.perf_counter() - t_start)
         if left < MIN_LEFT_S:

@@ -67,7 +67,9 @@ def reference(q, k, v, lens_q: list[int], lens_k: list[int], *, bottom_right: bo
 def _varlen_call(fn, q, k, v, lens_q, lens_k) -> torch.Tensor:
     """``varlen_attn`` causal, with whichever keywords this torch's signature has."""
     params = inspect.signature(fn).parameters
-    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=q.device)  # noqa: E731
+    def cu(lens: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
+
     kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     if "enable_gqa" in params and q.shape[1] != k.shape[1]:
         kw["enable_gqa"] = True

@@ -81,8 +81,10 @@ def step_flops(shape: ModelFlops | None, examples: list) -> float:
     full row (a pair's two, a point's one); the scalar head is a few FLOPs, not counted."""
     if shape is None:
         return 0.0
-    rows = [n for e in examples for n in ((len(e.chosen_ids), len(e.rejected_ids)) if hasattr(e, "chosen_ids") else (len(e.input_ids),))]
-    return sum(3 * shape.sequence(n, 0) for n in rows)
+    def rows(e) -> tuple[int, ...]:
+        return (len(e.chosen_ids), len(e.rejected_ids)) if hasattr(e, "chosen_ids") else (len(e.input_ids),)
+
+    return sum(3 * shape.sequence(n, 0) for e in examples for n in rows(e))
 
 
 def pair_rewards(model, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -192,7 +192,8 @@ def train(cfg: Config, *, desc: str = "sft") -> RunResult:
         # each cp rank's loss covers its chunks' tokens: the step's loss sums over dp and cp
         metrics = {"train/loss": distributed.all_reduce_sum(loss_sum, group="dp_cp").item(),
                    **frame.optimizer_step(t, o.max_grad_norm)}
-        work = torch.tensor([float(sum(len(e) for e in mine)), train_flops(shape, mine)], dtype=torch.float64, device=run.device)
+        work = torch.tensor([float(sum(len(e) for e in mine)), train_flops(shape, mine)], dtype=torch.float64,
+                            device=run.device)
         tokens, flops = distributed.all_reduce_sum(work).tolist()
         seconds = time.perf_counter() - t0
         metrics.update({"train/epoch": frame.epoch(t), "perf/tokens": tokens, "perf/tokens_per_s": tokens / max(seconds, 1e-9),

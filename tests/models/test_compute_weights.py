@@ -22,7 +22,8 @@ IDS = torch.tensor([[5, 17, 300, 42, 8, 9, 1000, 77, 3, 250], [61, 2, 90, 14, 50
 
 def _residual_dtype(model) -> torch.dtype:
     seen = []
-    hook = decoder_layers(model)[0].register_forward_hook(lambda m, i, out: seen.append(out[0] if isinstance(out, tuple) else out))
+    layer = decoder_layers(model)[0]
+    hook = layer.register_forward_hook(lambda m, i, out: seen.append(out[0] if isinstance(out, tuple) else out))
     try:
         with torch.no_grad():
             model(input_ids=IDS)
