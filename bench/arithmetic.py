@@ -47,15 +47,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-from relign.plan import Flops  # noqa: E402
+
+from relign.models.flops import ModelFlops  # noqa: E402  (after the path above)
 
 GSM8K = REPO / "relign" / "envs" / "data" / "gsm8k_train_512.jsonl"
 ORCA = REPO / "relign" / "data" / "samples" / "orca_dpo_pairs.jsonl"
 
 
-# the FLOP counts of one forward (a token through the decoder, a scored position, a computed attention
-# pair) live in relign.plan, which prices a step's time with them too (relign plan, docs/plan.md)
-Shape = Flops
+# relign's own count (``perf/mfu`` of every run uses it too): token, head and pair FLOPs of a shape
+Shape = ModelFlops
 
 
 def grpo(m: Shape, prompts: list[int], G: int, T: int) -> dict:

@@ -9,9 +9,13 @@ layers, 14 query / 2 key-value heads, MLP 4864, tied 151,936-token vocabulary; 4
 with the tiny local tokenizer (its ids are a subset of the vocabulary; nothing is downloaded):
 
   sft     tokens/s and MFU, ``packing=true`` vs ``false``, rows of 1/8 to 1 x --seq-len tokens
-          (uniform), ``model.dtype=bf16-mixed``, SDPA attention.
-          MFU = tokens/s x (6 N + 6 L d T_mean) / peak bf16 FLOP/s (N: all parameters, the LM
-          head included since it runs at every trained position; 6 L d T: causal attention).
+          (uniform; the first eighth of each is prompt), ``model.dtype=bf16-mixed``, SDPA attention.
+          MFU is the run's own ``perf/mfu`` (``relign.models.flops``, the peak passed as
+          ``logging.peak_tflops``), time-weighted over the timed steps: 3 x (2 x the decoder's
+          linear weights per token + 2 x hidden x vocab where the LM head runs, i.e. at the
+          response tokens only, + causal attention) / seconds / peak. The first run's figure
+          (15.5%) counted 6 N for every token, the prompt's too, whose LM head ``logits_to_keep``
+          skips: about 3% more than this count on these rows.
   dpo     pairs/s, prompts of --seq-len/16 to /8 tokens, responses of /16 to /4, reference precomputed.
   grpo    step seconds by stage (rollout, reward, reference, update, sync) on the HF engine:
           --prompts x G=8 completions of exactly --new-tokens tokens (EOS banned), β = 0.04.
@@ -31,8 +35,9 @@ what was allocated before the run, and ``predicted_over_measured`` their ratio: 
 goal of issue 47). The JSON at --out is rewritten after
 every check, so a run stopped at its time limit still leaves the checks it finished.
 
-Peak FLOP/s and bandwidth come from the device name, in ``relign.plan.GPUS`` (H100 SXM: 989 TFLOP/s
-bf16 dense, 3.35 TB/s; H100 PCIe: 756, 2.0; H200: 989, 4.8; ...); ``--peak-tflops`` /
+Peak FLOP/s and bandwidth come from the device name (``relign.models.flops.PEAKS``, read from
+``relign.plan.GPUS``, the one table of devices: H100 SXM: 989 TFLOP/s bf16 dense, 3.35 TB/s; H100
+PCIe: 756, 2.0; H200: 989, 4.8); ``--peak-tflops`` /
 ``--bandwidth-tbs`` override.
 Results: a markdown table on stdout and JSON at --out.
 
@@ -61,7 +66,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from relign.plan import gpu_peak  # noqa: E402  the one table of devices (relign plan's): bf16 peak, bandwidth
 
 QWEN05 = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
               vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0, tie_word_embeddings=True)
@@ -74,20 +78,24 @@ def reward(prompt: str, response: str, extra_info: dict) -> float:
     return float(sum(map(ord, response)) % 2)
 
 
-def build_model(out: Path, shape: dict) -> int:
-    """A random model of ``shape`` with relign's tiny tokenizer; returns its parameter count."""
+def build_model(out: Path, shape: dict, *, tokenizer: bool = True) -> int:
+    """A random model of ``shape`` with relign's tiny tokenizer (``tokenizer``: saved beside it;
+    2 s to train, which ``bench/gpu_ab.py``'s sections, fed token ids, skip); returns its parameter count."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from relign.models.tiny import build_tokenizer
+    from relign.models.tiny import SPECIAL_TOKENS, build_tokenizer
 
-    tok = build_tokenizer(4096, seed=0)
-    cfg = Qwen2Config(**shape, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
+    tok = build_tokenizer(4096, seed=0) if tokenizer else None
+    # the tokenizer's special tokens come first, in SPECIAL_TOKENS' order: eos <|im_end|>, pad <|endoftext|>
+    cfg = Qwen2Config(**shape, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"),
+                      pad_token_id=SPECIAL_TOKENS.index("<|endoftext|>"))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
+    if tok is not None:
+        assert (tok.eos_token_id, tok.pad_token_id) == (cfg.eos_token_id, cfg.pad_token_id)
+        tok.save_pretrained(out)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -115,7 +123,16 @@ def median(xs: list[float]) -> float:
     return (xs[n // 2] + xs[(n - 1) // 2]) / 2 if xs else float("nan")
 
 
-def run_sft(a, model_dir: Path, tmp: Path, tok, n_params: int, shape: dict, peak: float, device: str) -> list[dict]:
+def run_mfu(rows: list[dict]) -> float | None:
+    """The MFU of the timed steps from relign's own ``perf/mfu`` (``relign.models.flops``),
+    weighted by each step's seconds; None when the run logged none (no peak known)."""
+    rows = [r for r in rows if "perf/mfu" in r]
+    if not rows:
+        return None
+    return sum(r["perf/mfu"] * r["perf/step_seconds"] for r in rows) / sum(r["perf/step_seconds"] for r in rows)
+
+
+def run_sft(a, model_dir: Path, tmp: Path, tok, peak: float, device: str) -> list[dict]:
     from relign.config import load_config
     from relign.recipes import sft
 
@@ -134,16 +151,15 @@ def run_sft(a, model_dir: Path, tmp: Path, tok, n_params: int, shape: dict, peak
             f"packing={str(packing).lower()}", "optim.lr=1e-5", "optim.warmup_ratio=0", "optim.schedule=constant",
             f"device={device}", "logging.progress=false", "logging.tensorboard=false", "checkpoint.save_every=0",
             "checkpoint.save_final=false", "eval_every=0", f"run_dir={tmp / ('sft-packed' if packing else 'sft-padded')}",
+            *([f"logging.peak_tflops={peak / 1e12}"] if peak else []),
         ])
         before = _reset_peak(device)
         hist = sft.train(cfg).history
         mem = _memory(device, before, predicted(cfg, "sft"))
         steps = timed_rows(hist, "perf/tokens_per_s", a.warmup)
         tps = sum(r["perf/tokens"] for r in steps) / sum(r["perf/step_seconds"] for r in steps)
-        t_mean = sum(len(tok.encode(r["prompt"] + r["completion"])) for r in rows[:64]) / 64
-        flops_per_token = 6 * n_params + 6 * shape["num_hidden_layers"] * shape["hidden_size"] * min(t_mean, a.seq_len)
         out.append({**mem, "check": "sft", "mode": "packed" if packing else "padded", "tokens_per_s": tps,
-                    "mfu": tps * flops_per_token / peak if peak else None, "steps_timed": len(steps)})
+                    "mfu": run_mfu(steps), "steps_timed": len(steps)})
     return out
 
 
@@ -169,8 +185,8 @@ def run_dpo(a, model_dir: Path, tmp: Path, tok, device: str) -> dict:
     mem = _memory(device, before, predicted(cfg, "dpo"))
     steps = timed_rows(hist, "perf/pairs_per_s", a.warmup)
     ref = next((r["time/reference_s"] for r in hist if "time/reference_s" in r), None)
-    return {**mem, "check": "dpo", "pairs_per_s": median([r["perf/pairs_per_s"] for r in steps]), "reference_precompute_s": ref,
-            "steps_timed": len(steps)}
+    return {**mem, "check": "dpo", "pairs_per_s": median([r["perf/pairs_per_s"] for r in steps]),
+            "reference_precompute_s": ref, "steps_timed": len(steps)}
 
 
 def grpo_args(a, model_dir: Path, tmp: Path, tok, device: str, name: str, steps: int, extra: tuple = ()) -> list[str]:
@@ -206,7 +222,8 @@ def run_grpo(a, model_dir: Path, tmp: Path, tok, device: str, lora: bool = False
     cfg = load_config(rl.Config, None, grpo_args(a, model_dir, tmp, tok, device, name, steps, extra))
     before = _reset_peak(device)
     stages, n = stage_seconds(rl.train(cfg).history, min(a.warmup, steps - 1))
-    return {**_memory(device, before, predicted(cfg, "rl")), "check": name, "rows_per_step": a.prompts * 8, "new_tokens": a.new_tokens, "seconds": stages, "steps_timed": n}
+    return {**_memory(device, before, predicted(cfg, "rl")), "check": name, "rows_per_step": a.prompts * 8,
+            "new_tokens": a.new_tokens, "seconds": stages, "steps_timed": n}
 
 
 def predicted(cfg, recipe: str) -> float:
@@ -363,7 +380,9 @@ def main(argv: list[str] | None = None) -> dict:
         a.decode_rows, a.decode_repeats = 4, 1
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
-    peak_t, bw_t = gpu_peak(name)
+    from relign.models.flops import device_peak
+
+    peak_t, bw_t = device_peak(name)
     peak = (a.peak_tflops or peak_t) * 1e12
     bandwidth = (a.bandwidth_tbs or bw_t) * 1e12
     shape = SMOKE if a.smoke else QWEN05
@@ -386,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             if c == "sft":
-                res = run_sft(a, model_dir, tmp, tok, n_params, shape, peak, device)
+                res = run_sft(a, model_dir, tmp, tok, peak, device)
             elif c == "dpo":
                 res = [run_dpo(a, model_dir, tmp, tok, device)]
             elif c == "grpo":

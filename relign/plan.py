@@ -51,12 +51,14 @@ CUDA_RESERVE = GiB
 allocator's slack (the local CUDA device reports its free memory instead)."""
 
 # key, the fragments of torch.cuda.get_device_name it matches, memory (MiB, as nvidia-smi reports it),
-# bf16 dense TFLOP/s, HBM TB/s. Most specific first: bench/gpu_checks.py reads the same table.
+# bf16 dense TFLOP/s, HBM TB/s (vendors' data sheets). Most specific first: models/flops.PEAKS (perf/mfu,
+# bench/gpu_checks.py) is read from this table.
 GPUS: list[tuple[str, tuple[str, ...], int, float, float]] = [
     ("h100-pcie", ("H100 PCIe",), 81559, 756.0, 2.0),
     ("h100-nvl", ("H100 NVL",), 95830, 835.0, 3.9),
     ("h100", ("H100",), 81559, 989.0, 3.35),
     ("h200", ("H200",), 143771, 989.0, 4.8),
+    ("b200", ("B200",), 183359, 2250.0, 8.0),
     ("a100-40", ("A100-SXM4-40GB", "A100-PCIE-40GB", "A100 40GB"), 40960, 312.0, 1.555),
     ("a100-80", ("A100",), 81920, 312.0, 2.039),
     ("l40s", ("L40S",), 46068, 362.0, 0.864),
@@ -76,9 +78,10 @@ def named_device(key: str) -> Device:
 
 
 def _device_title(key: str, mib: int) -> str:
-    names = {"h100-pcie": "H100 PCIe", "h100-nvl": "H100 NVL", "h100": "H100 SXM", "h200": "H200", "a100-40": "A100",
-             "a100-80": "A100", "l40s": "L40S", "rtx4090": "RTX 4090"}
-    return f"{names[key]} {round(mib / 1024 / 8) * 8 if key != 'h100-nvl' else 94} GB"
+    names = {"h100-pcie": "H100 PCIe", "h100-nvl": "H100 NVL", "h100": "H100 SXM", "h200": "H200", "b200": "B200",
+             "a100-40": "A100", "a100-80": "A100", "l40s": "L40S", "rtx4090": "RTX 4090"}
+    marketed = {"h100-nvl": 94, "h200": 141, "b200": 180}  # the rest: the MiB rounded to a multiple of 8 GB
+    return f"{names[key]} {marketed.get(key, round(mib / 1024 / 8) * 8)} GB"
 
 
 def gpu_peak(cuda_name: str) -> tuple[float, float]:
@@ -202,6 +205,14 @@ class Shape:
         """Every linear weight a forward multiplies by: L (attention + MLP) + V d (the LM head)."""
         return self.layers * (self.attention_linear + self.mlp_linear) + self.embedding
 
+    def config(self) -> Any:
+        """The shape under transformers' attribute names (what ``models/flops.ModelFlops`` reads)."""
+        from types import SimpleNamespace
+
+        return SimpleNamespace(hidden_size=self.d, num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                               num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
+                               intermediate_size=self.intermediate, vocab_size=self.vocab)
+
     def lora_params(self, r: int, targets: list[str] | str) -> int:
         """A LoRA adapter's trainable weights: r (in + out) per adapted linear (``all-linear``: every
         projection of every layer, not the LM head)."""
@@ -210,29 +221,6 @@ class Shape:
                   "up_proj": (self.d, self.intermediate), "down_proj": (self.intermediate, self.d)}
         names = list(shapes) if targets in ("all-linear", ["all-linear"]) else [t for t in targets if t in shapes]
         return self.layers * sum(r * sum(shapes[n]) for n in names)
-
-
-class Flops:
-    """Forward FLOPs of one model: per token through the decoder, per scored position (the LM head),
-    per computed (query, key) pair. ``bench/arithmetic.py`` counts its bench shapes with it.
-
-    * a token through the decoder: 2 x its linear weights (every layer);
-    * the LM head: 2 d V wherever logits are taken;
-    * attention: 4 H D per (query, key) pair the kernel computes (q.k and p.v, every layer): a
-      causal call computes half its square, a call with a mask all of it;
-    * training: forward + backward = 3 x forward."""
-
-    def __init__(self, cfg: Any):
-        s = cfg if isinstance(cfg, Shape) else Shape.of(cfg)
-        self.token = 2 * (s.attention_linear + s.mlp_linear) * s.layers
-        self.head = 2 * s.d * s.vocab
-        self.pair = 4 * s.q_width * s.layers
-
-    def causal(self, n: int) -> float:
-        return n * (n + 1) / 2 * self.pair
-
-    def full(self, queries: int, keys: int) -> float:
-        return queries * keys * self.pair
 
 
 # --------------------------------------------------------------------------- precision

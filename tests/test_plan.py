@@ -241,8 +241,11 @@ def test_named_devices_and_the_gpu_checks_table():
     assert P.gpu_peak("NVIDIA A100-SXM4-40GB")[1] == 1.555 and P.gpu_peak("NVIDIA GeForce RTX 4090")[0] == 165.2
     with pytest.raises(ConfigError, match="'plan.device'"):
         P.named_device("tpu-v5")
-    gpu_checks = load_script("bench/gpu_checks.py", "gpu_checks_for_plan")
-    assert gpu_checks.gpu_peak is P.gpu_peak  # one table for both
+    from relign.models.flops import device_peak  # perf/mfu's and bench/gpu_checks.py's: the same table
+
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200", "NVIDIA B200", "NVIDIA A100-SXM4-40GB",
+                 "NVIDIA A100-SXM4-80GB", "NVIDIA L40S", "NVIDIA GeForce RTX 4090", "cpu"):
+        assert device_peak(name) == P.gpu_peak(name), name
 
 
 def test_the_local_cpu_is_its_available_ram(tmp_path, monkeypatch):

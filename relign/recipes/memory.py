@@ -26,6 +26,7 @@ from .. import plan as P
 from ..checks import get_key
 from ..config import ConfigError
 from ..data.balance import micro_batch_plan
+from ..models.flops import ModelFlops
 from ..models.loading import check_model_source, from_pretrained_checked, resolve_model_path
 from ..models.varlen import SUPPORTED
 from ..rundir import dry_run_requested, is_nested, set_memory_plan
@@ -109,8 +110,9 @@ class Model:
                                                                                                   trainable=False)
 
     def flops(self, tokens: int, positions: int, pairs: float) -> float:
-        """A forward's FLOPs (``plan.Flops``): tokens through the decoder, logits, attention pairs."""
-        f = P.Flops(self.s)
+        """A forward's FLOPs (``models/flops.ModelFlops``, perf/mfu's count): tokens through the decoder,
+        logits at the kept positions, attention pairs."""
+        f = ModelFlops(self.s.config())
         return tokens * f.token + positions * f.head + pairs * f.pair
 
 
