@@ -236,18 +236,29 @@ class Precision:
 
     @property
     def mixed(self) -> bool:
-        """bf16-mixed: fp32 weights, bf16 products under autocast (models/precision.py)."""
-        return self.param != self.compute
+        """bf16-mixed: fp32 weights, bf16 products under autocast (the residual stream and norms fp32)."""
+        return self.name == "bf16-mixed"
+
+    @property
+    def cast(self) -> bool:
+        """bf16-compute: fp32 weights, the forward on bf16 copies of all of them, everything in bf16."""
+        return self.name == "bf16-compute"
+
+    @property
+    def activation(self) -> int:
+        """The bytes of the activations' dtype where the residual stream runs: 4 (fp32, bf16-mixed), 2."""
+        return 4 if self.mixed else self.compute
 
     @classmethod
     def of(cls, dtype: str) -> Precision:
+        """``model.dtype``'s bytes (``models/precision.py``)."""
         if dtype in ("fp32", "float32"):
             return cls(dtype, 4, 4)
         if dtype in ("bf16", "bfloat16"):
             return cls(dtype, 2, 2)
-        if dtype == "bf16-mixed":
+        if dtype in ("bf16-mixed", "bf16-compute"):
             return cls(dtype, 4, 2)
-        raise ConfigError(f"bad value for 'model.dtype': {dtype!r}; choose one of fp32, bf16, bf16-mixed")
+        raise ConfigError(f"bad value for 'model.dtype': {dtype!r}; choose one of fp32, bf16, bf16-mixed, bf16-compute")
 
 
 # --------------------------------------------------------------------------- terms: model states
@@ -270,16 +281,19 @@ def adamw_bytes(trainable: int, p: int) -> int:
     return 2 * trainable * p
 
 
-def autocast_copy_bytes(s: Shape, prec: Precision, *, lean: bool, layers: int | None = None, tp: int = 1) -> int:
-    """bf16-mixed: the bf16 copies of weights autocast casts for the products and autograd keeps for
-    the backward (torch.autocast's weight cache; models/precision.py): 2 x (L x the attention
-    projections + V d for the LM head), and L x 3 d I more without lean activations (the lean SwiGLU
-    keeps the fp32 MLP weights and casts in its backward). ``layers``: how many layers hold their
-    copies at once (L; 1 under gradient checkpointing, whose layers run again one at a time).
-    Tensor parallel: each rank casts its 1/tp of the layers' projections, the head whole."""
+def weight_copy_bytes(s: Shape, prec: Precision, *, lean: bool, layers: int | None = None, tp: int = 1) -> int:
+    """The bf16 copies of fp32 weights that a forward makes and autograd keeps for the backward
+    (``models/precision.py``). bf16-mixed: autocast's weight cache, 2 x (L x the attention projections
+    + V d for the LM head), and L x 3 d I more without lean activations (the lean SwiGLU keeps the
+    fp32 MLP weights and casts in its backward). bf16-compute: the cast copy of every weight,
+    2 x (L x (attention + MLP + 2 d) + V d) (the norms' weights too, a few d). ``layers``: how many
+    layers hold their copies at once (L; 1 under gradient checkpointing, whose layers run again one at
+    a time). Tensor parallel: each rank casts its 1/tp of the layers' projections, the head whole."""
+    n = s.layers if layers is None else layers
+    if prec.cast:
+        return prec.compute * (n * (s.attention_linear + s.mlp_linear) // tp + n * 2 * s.d + s.embedding)
     if not prec.mixed:
         return 0
-    n = s.layers if layers is None else layers
     per_layer = s.attention_linear + (0 if lean else s.mlp_linear)
     return prec.compute * (n * per_layer // tp + s.embedding)
 
@@ -315,12 +329,14 @@ def layer_saved_bytes(s: Shape, tokens: int, prec: Precision, *, lean: bool = Tr
       of the MLP; the rotated queries and attention's output; keys and values; the MLP's g and u
       (``models/lean.py``); attention's log-sum-exp; the two norms' 1/rms. Without lean: b (6 d +
       2 H D + 2 H_kv D + 4 I) + 4 H + 8 (each norm keeps its normalized x, the MLP silu(g) and
-      silu(g) u).
+      silu(g) u); in general (8 + 4 b) d + b (2 H D + 2 H_kv D + 4 I) + 4 H + 8, as each norm keeps
+      its input upcast to fp32.
     * bf16-mixed, lean: 4 x 3 d (the residual stream and the MLP's input stay fp32) + 2 (3 d +
       2 H D + 2 H_kv D) (the three casts of the normalized input for q, k and v, the queries,
       attention's output, keys, values) + 2 x 2 I + 4 H + 8. Without lean: 4 x 4 d + 2 (5 d +
       2 H D + 2 H_kv D + 4 I) + 4 H + 8.
-    * bf16: the fp32 count with b = 2 (the log-sum-exp and 1/rms stay fp32).
+    * bf16 and bf16-compute (everything in bf16): the fp32 count with b = 2 (the log-sum-exp and
+      1/rms stay fp32).
     * packed rows (``models/varlen.py``: one attention call per sequence): + b_c H D, each
       sequence's attention output kept apart from their concatenation.
 
@@ -334,8 +350,10 @@ def layer_saved_bytes(s: Shape, tokens: int, prec: Precision, *, lean: bool = Tr
         else:
             per = 4 * 4 * d + 2 * (5 * d + 2 * q + 2 * kv + 4 * i)
     else:
-        b = prec.param
-        per = b * (4 * d + 2 * q + 2 * kv + 2 * i) if lean else b * (6 * d + 2 * q + 2 * kv + 4 * i)
+        b = prec.compute
+        # without lean, each norm keeps its input upcast to fp32 (4 d: x itself in fp32) and its normalized
+        # output in x's dtype (b d), beside the projections' normalized inputs
+        per = b * (4 * d + 2 * q + 2 * kv + 2 * i) if lean else (8 + 4 * b) * d + b * (2 * q + 2 * kv + 4 * i)
     per += 4 * h + 8
     if packed:
         per += prec.compute * q
@@ -349,10 +367,11 @@ def position_bytes(s: Shape, positions: int) -> int:
 
 
 def head_input_bytes(s: Shape, tokens: int, positions: int, prec: Precision) -> int:
-    """Kept around the LM head: the final norm's input and 1/rms (4 d + 4 per token) and the normalized
-    hidden states of the kept positions the head multiplies (b_c d per kept position, as fp32 too
-    under bf16-mixed: the norm's output before autocast's cast)."""
-    return (4 * s.d + 4) * tokens + (prec.compute + (4 if prec.mixed else 0)) * s.d * positions
+    """Kept around the LM head: the final norm's input and 1/rms (b d + 4 per token, b the residual
+    stream's: 4 under fp32 and bf16-mixed) and the normalized hidden states of the kept positions the
+    head multiplies (b_c d per kept position, as fp32 too under bf16-mixed: the norm's output before
+    autocast's cast)."""
+    return (prec.activation * s.d + 4) * tokens + (prec.compute + (4 if prec.mixed else 0)) * s.d * positions
 
 
 def activation_bytes(s: Shape, tokens: int, positions: int, prec: Precision, *, lean: bool = True,
@@ -365,7 +384,7 @@ def activation_bytes(s: Shape, tokens: int, positions: int, prec: Precision, *, 
     checkpoints, non-reentrant) each layer keeps only its input, L x 4 d T (the fp32 residual stream;
     2 d T under bf16), and the backward recomputes one layer at a time: + one ``layer_saved_bytes``."""
     one = layer_saved_bytes(s, tokens, prec, lean=lean, packed=packed, tp=tp)
-    layers = s.layers * prec.param * s.d * tokens + one if checkpointing else s.layers * one
+    layers = s.layers * prec.activation * s.d * tokens + one if checkpointing else s.layers * one
     return layers + position_bytes(s, tokens if rope_positions is None else rope_positions) + \
         head_input_bytes(s, tokens, positions, prec)
 

@@ -23,20 +23,20 @@ QWEN05 = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_att
               intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
 
 
-def _toy(dtype=torch.float32, *, lean=True, mixed=False, vocab=1000, layers=2, **kw):
-    """A small Qwen2 (hidden 64, 4 heads of 16, 2 K/V heads, MLP 160) in train mode, as the recipes load it."""
+def _toy(dtype=torch.float32, *, lean=True, precision="fp32", vocab=1000, layers=2, **kw):
+    """A small Qwen2 (hidden 64, 4 heads of 16, 2 K/V heads, MLP 160) in train mode, as the recipes load it
+    (``precision``: a model.dtype's compute mode, models/precision.enable)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from relign.models import lean as lean_mod
-    from relign.models.precision import enable_autocast
+    from relign.models import precision as precision_mod
 
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, attn_implementation="sdpa",
                       **kw)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    if mixed:
-        enable_autocast(model)
+    precision_mod.enable(model, precision)
     if lean:
         lean_mod.lean_activations(model)
     return model.train(), P.Shape.of(cfg)
@@ -112,14 +112,16 @@ def _saved_by_layer(model, run, layer: int = 1) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("dtype, lean, packed", [("fp32", True, False), ("fp32", False, False), ("bf16-mixed", True, False),
-                                                 ("bf16-mixed", False, False), ("bf16", True, False), ("fp32", True, True)])
+@pytest.mark.parametrize("dtype, lean, packed", [
+    ("fp32", True, False), ("fp32", False, False), ("bf16-mixed", True, False), ("bf16-mixed", False, False),
+    ("bf16", True, False), ("bf16", False, False), ("bf16-compute", True, False), ("bf16-compute", False, False),
+    ("fp32", True, True)])
 def test_one_layer_saves_what_the_formula_says(dtype, lean, packed):
     from relign.models.logprobs import token_logps
     from relign.models.varlen import packed_attention
 
     prec = P.Precision.of(dtype)
-    model, s = _toy(torch.bfloat16 if dtype == "bf16" else torch.float32, lean=lean, mixed=dtype == "bf16-mixed")
+    model, s = _toy(torch.bfloat16 if dtype == "bf16" else torch.float32, lean=lean, precision=dtype)
     T = 100
     ids = torch.randint(0, 1000, (2, T // 2))
     if packed:  # one row of two sequences, 30 and 70 tokens: attention sequence by sequence
@@ -129,8 +131,9 @@ def test_one_layer_saves_what_the_formula_says(dtype, lean, packed):
     else:
         run = lambda: token_logps(model, ids, target_mask=torch.ones(2, T // 2))  # noqa: E731
     saved = _saved_by_layer(model, run)
-    # bf16-mixed keeps autocast's bf16 copies of the layer's weights too: attention's, and the MLP's without lean
-    copies = 2 * (s.attention_linear + (0 if lean else s.mlp_linear)) if prec.mixed else 0
+    # bf16-mixed keeps autocast's bf16 copies of the layer's weights too (attention's, the MLP's without lean),
+    # bf16-compute the cast copy of every weight of the layer (its norms' too)
+    copies = (P.weight_copy_bytes(s, prec, lean=lean) - 2 * s.embedding) // s.layers if prec.compute < prec.param else 0
     assert saved == P.layer_saved_bytes(s, T, prec, lean=lean, packed=packed) + copies
     if (dtype, lean, packed) == ("fp32", True, False):
         # by hand, per token: 4 x (4 x 64 + 2 x 64 + 2 x 32 + 2 x 160) (the layer's input and mid-residual, the two
@@ -140,7 +143,7 @@ def test_one_layer_saves_what_the_formula_says(dtype, lean, packed):
 
 
 def test_autocast_copies_are_the_ones_the_backward_keeps():
-    model, s = _toy(mixed=True)
+    model, s = _toy(precision="bf16-mixed")
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
 
@@ -153,7 +156,7 @@ def test_autocast_copies_are_the_ones_the_backward_keeps():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(input_ids=torch.randint(0, 1000, (1, 7))).logits.float().sum()
     # 2 layers x (q 64x64 + k, v 64x32 + o 64x64) + the tied head 1000 x 64, 2 bytes each
-    assert sum(seen.values()) == P.autocast_copy_bytes(s, P.Precision.of("bf16-mixed"), lean=True) == 2 * (2 * 12_288 + 64_000)
+    assert sum(seen.values()) == P.weight_copy_bytes(s, P.Precision.of("bf16-mixed"), lean=True) == 2 * (2 * 12_288 + 64_000)
 
 
 @pytest.mark.parametrize("K, chunk, dtype, entropy", [
@@ -313,9 +316,9 @@ def test_relign_plan_prints_the_worked_example_of_the_docs(qwen05):
     # by hand: 494,032,768 weights x 4 B = 1.84 GiB; AdamW 3.68 GiB; the update's logits at 8 x 512 positions in one
     # chunk, the logged entropy's forward (bf16 logits, their saved fp32 upcast, three fp32 temporaries) 18 x 4,096 x
     # 151,936 B = 10.43 GiB; the KV cache of 128 rows x 1,024 columns x 24 layers x 2 x 2 heads x 64 x 2 B = 1.50 GiB
-    assert "weights                 1.84      1.84     1.84      1.84" in out
-    assert "logits                     -         -    10.43         -" in out
-    assert "engine KV cache         1.50         -        -         -" in out
+    rows = {line[:20].strip(): line[20:].split() for line in out.splitlines()[5:20]}
+    assert rows["weights"] == ["1.84"] * 4 and rows["AdamW state"] == ["3.68"] * 4
+    assert rows["logits"] == ["-", "-", "10.43", "-"] and rows["engine KV cache"] == ["1.50", "-", "-", "-"]
     assert out.count("peak: 24.3 GiB in update") == 1
     proc = run_cli(*args[:-1], "rtx4090", "prompts_per_step=64", "max_tokens_per_micro=65536", check=False)
     assert proc.returncode == 1 and "does not fit: lower micro_batch_size to " in proc.stdout

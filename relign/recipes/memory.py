@@ -27,7 +27,7 @@ from ..checks import get_key
 from ..config import ConfigError
 from ..data.balance import micro_batch_plan
 from ..models.flops import ModelFlops
-from ..models.loading import check_model_source, from_pretrained_checked, resolve_model_path
+from ..models.loading import check_model_source, compile_enabled, from_pretrained_checked, resolve_model_path
 from ..models.varlen import SUPPORTED
 from ..rundir import dry_run_requested, is_nested, set_memory_plan
 
@@ -52,10 +52,13 @@ def read_shape(path: str, *, trust_remote_code: bool = False, key: str = "model.
 class Model:
     """A recipe's model in numbers: shape, precision, parameters (all, trainable) and its options."""
 
-    def __init__(self, m: Any, shape: P.Shape, *, tp: int = 1, dp: int = 1):
-        """``tp``: the tensor-parallel degree; ``dp``: the ranks FSDP shards over (dp x cp of the mesh)."""
+    def __init__(self, m: Any, shape: P.Shape, *, tp: int = 1, dp: int = 1, device: str = "cpu"):
+        """``tp``: the tensor-parallel degree; ``dp``: the ranks FSDP shards over (dp x cp of the mesh);
+        ``device``: its type (``model.compile=auto`` decides by it)."""
         self.s, self.prec = shape, P.Precision.of(m.dtype)
-        self.lean, self.ckpt = m.lean_activations, m.gradient_checkpointing
+        # regional compile turns lean activations off (the compiler picks what to recompute; counted as without)
+        self.compiled = compile_enabled(getattr(m, "compile", "false"), device)
+        self.lean, self.ckpt = m.lean_activations and not self.compiled, m.gradient_checkpointing
         self.lora = m.lora.r if m.lora.enabled else 0
         adapter = shape.lora_params(m.lora.r, m.lora.target_modules) if self.lora else 0
         # tensor parallel splits the layers' projections; FSDP shards what a rank keeps over dp
@@ -94,7 +97,7 @@ class Model:
         loss = {**self.states(grads=accum),
                 "activations": P.activation_bytes(s, tokens, positions if head else 0, prec, lean=lean,
                                                   checkpointing=self.ckpt, packed=packed, rope_positions=rope, tp=self.tp),
-                "autocast copies": P.autocast_copy_bytes(s, prec, lean=lean, layers=1 if self.ckpt else None, tp=self.tp),
+                "bf16 weight copies": P.weight_copy_bytes(s, prec, lean=lean, layers=1 if self.ckpt else None, tp=self.tp),
                 "logits": P.logits_bytes(positions, s.vocab, prec=prec, entropy=entropy) if head else 0, **fsdp}
         end = {**self.states(grads=True), **fsdp,
                "embedding gradients": 0 if self.lora else P.embedding_grad_bytes(s, self.grad_p, accumulating=accum,
@@ -106,8 +109,11 @@ class Model:
         return {**self.states(grads=True), "optimizer step": P.grad_norm_bytes(self.largest)}
 
     def nograd_pass(self, tokens: int, positions: int) -> int:
-        return P.nograd_forward_bytes(self.s, tokens, positions, self.prec) + P.fsdp_gather_bytes(self.s, self.prec, self.dp,
-                                                                                                  trainable=False)
+        """A forward without gradients: its transients, FSDP's gathered layers, and under bf16-compute the
+        cast copy of every weight, made at the forward's start (``precision.enable_compute_weights``)."""
+        copies = P.weight_copy_bytes(self.s, self.prec, lean=self.lean, tp=self.tp) if self.prec.cast else 0
+        return P.nograd_forward_bytes(self.s, tokens, positions, self.prec) + copies + \
+            P.fsdp_gather_bytes(self.s, self.prec, self.dp, trainable=False)
 
     def flops(self, tokens: int, positions: int, pairs: float) -> float:
         """A forward's FLOPs (``models/flops.ModelFlops``, perf/mfu's count): tokens through the decoder,
@@ -123,6 +129,11 @@ def _ranks(cfg: Any, world: int) -> tuple[int, int, int]:
     return max(1, world // (tp * cp)), cp, tp
 
 
+def _type(device: P.Device) -> str:
+    """The torch device type a plan's device is: cpu, or cuda (a local or a named GPU)."""
+    return "cpu" if device.key == "cpu" else "cuda"
+
+
 def _seconds(flops: float, device: P.Device) -> float | None:
     return flops / (device.tflops * 1e12) if device.tflops else None
 
@@ -134,7 +145,9 @@ def _causal(n: int) -> float:
 def _facts(cfg: Any, model: Model, world: int) -> list[str]:
     m, s = cfg.model, model.s
     dp, cp, tp = _ranks(cfg, world)
-    opts = [m.dtype, "lean activations" if m.lean_activations else "no lean activations"]
+    opts = [m.dtype, "lean activations" if model.lean else "no lean activations"]
+    if model.compiled:
+        opts.append("compiled layers (counted as without lean activations)")
     if m.gradient_checkpointing:
         opts.append("gradient checkpointing")
     if m.lora.enabled:
@@ -159,7 +172,7 @@ def plan_sft(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1, *, reci
     held-out loss in padded batches of ``eval_batch_size`` rows. The reward model (``rm``) is the
     same with pairs (two rows each) and a scalar head instead of the logits."""
     dp, cp, tp = _ranks(cfg, world)
-    model = Model(cfg.model, shape, tp=tp, dp=dp * cp)
+    model = Model(cfg.model, shape, tp=tp, dp=dp * cp, device=_type(device))
     Lmax = cfg.data.max_length
     rows = cfg.micro_batch_size * (2 if recipe == "rm" else 1)
     tokens = rows * Lmax // cp
@@ -204,7 +217,7 @@ def plan_dpo(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pl
     The reference log-probs are precomputed before the first step (``reference=precompute``) in
     batches of ``eval_batch_size`` pairs, or a frozen copy scores every micro-batch (``online``)."""
     dp, cp, tp = _ranks(cfg, world)
-    model = Model(cfg.model, shape, tp=tp, dp=dp * cp)
+    model = Model(cfg.model, shape, tp=tp, dp=dp * cp, device=_type(device))
     Lmax, kto = cfg.data.max_length, cfg.loss == "kto"
     per_pair = Lmax if kto else 2 * Lmax  # the worst case: prompt of 1 token, both responses of Lmax - 1
     pairs = cfg.micro_batch_size
@@ -269,7 +282,7 @@ def plan_rl(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pla
     budget."""
     ro, a, t, m = cfg.rollout, cfg.algorithm, cfg.task, cfg.model
     dp, cp, tp = _ranks(cfg, world)
-    model = Model(m, shape, tp=tp, dp=dp * cp)
+    model = Model(m, shape, tp=tp, dp=dp * cp, device=_type(device))
     s, prec = shape, model.prec
     n, Pl = ro.n, t.max_prompt_length
     R = ro.max_response_tokens or ro.max_new_tokens * max(1, ro.max_turns)
