@@ -292,9 +292,11 @@ def test_a_run_over_the_device_stops_in_one_line_before_any_weights_load(qwen05,
     proc = run_cli(*args, "plan.device=rtx4090", check=False)
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
-    # the train stage, by hand: 494,032,768 fp32 weights, gradients (two micro-batches a step) and AdamW's 2 moments
-    # (16 B each: 7.36 GiB), the logits of 16 x 2,047 positions (4 chunks of 4,096: 4 x 151,936 x (3 x 32,752 + 4,096)
-    # B = 58.0 GiB), activations and the head's inputs (45.4 GiB): 111 GiB
+    # the train stage, by hand: 494,032,768 fp32 weights and AdamW's 2 moments (12 B each: 5.52 GiB; one micro-batch a
+    # step, so no gradient yet at the loss's backward), the logits of 16 x 2,047 = 32,752 positions in 8 chunks of
+    # 4,096 (4 x 151,936 x (3 x 32,752 + 4,096) B = 57.9 GiB) and the activations of 32,768 tokens: 4 (4 x 896 + 2 x 896
+    # + 2 x 128 + 2 x 4,864 + 896 packed) + 4 x 14 + 8 = 65,088 B per token and layer, x 24 x 32,768 = 47.7 GiB, and
+    # 0.2 GiB around the head: 111 GiB
     assert lines == ["relign sft: error: plan: the train stage needs 111 GiB per rank, more than the 23.0 GiB available on "
                      "RTX 4090 24 GB; lower micro_batch_size to 2 or less (now 16), or set plan.check=false to start anyway"]
     assert not run.exists()  # it stopped before the run directory, the tokenizer and the weights (the folder has none)
@@ -314,8 +316,8 @@ def test_relign_plan_prints_the_worked_example_of_the_docs(qwen05):
     ours = out.replace(str(qwen05), "Qwen/Qwen2.5-0.5B-Instruct")
     assert ours == block
     # by hand: 494,032,768 weights x 4 B = 1.84 GiB; AdamW 3.68 GiB; the update's logits at 8 x 512 positions in one
-    # chunk, the logged entropy's forward (bf16 logits, their saved fp32 upcast, three fp32 temporaries) 18 x 4,096 x
-    # 151,936 B = 10.43 GiB; the KV cache of 128 rows x 1,024 columns x 24 layers x 2 x 2 heads x 64 x 2 B = 1.50 GiB
+    # chunk, the logged entropy's forward (the bf16 logits 2, their saved fp32 upcast 4, the entropy's fp32 upcast,
+    # softmax and logsumexp temporary 4 each) 18 x 4,096 x 151,936 B = 10.43 GiB; the KV cache of 128 rows x 1,024 columns x 24 layers x 2 x 2 heads x 64 x 2 B = 1.50 GiB
     rows = {line[:20].strip(): line[20:].split() for line in out.splitlines()[5:20]}
     assert rows["weights"] == ["1.84"] * 4 and rows["AdamW state"] == ["3.68"] * 4
     assert rows["logits"] == ["-", "-", "10.43", "-"] and rows["engine KV cache"] == ["1.50", "-", "-", "-"]

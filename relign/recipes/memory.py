@@ -87,7 +87,7 @@ class Model:
     def train_pass(self, tokens: int, positions: int, *, packed: bool, rope: int, accum: bool,
                    head: bool = True, entropy: bool = False) -> dict[str, int]:
         """The forward/backward of one micro-batch at the heavier of its two peaks, states included:
-        the start of the loss's backward (saved activations, autocast's weight copies, the loss's
+        the start of the loss's backward (saved activations, the bf16 weight copies, the loss's
         logits; the gradients only when an earlier micro-batch of the step left them: ``accum``), or
         the end of the backward (every gradient, and the embedding's being summed). FSDP's
         gathered layers at both."""
