@@ -31,7 +31,7 @@ from ..data.stats import announce
 from ..models.cp import cp_token_logps
 from ..models.loading import load_model_tokenizer
 from ..models.logprobs import token_logps
-from ..models.varlen import packed_attention
+from ..models.varlen import forward_kwargs, packed_attention
 from . import RunResult, build, frame
 
 
@@ -60,19 +60,20 @@ def _check(cfg: Config) -> None:
     check_model_path("model.path", cfg.model.path)
 
 
-def _collate(examples: list[SFTExample], packing: bool, pad_id: int, device) -> dict[str, torch.Tensor]:
-    batch = pack_collate(examples) if packing else pad_collate(examples, pad_id)
+def _collate(examples: list[SFTExample], packing: bool, pad_id: int, device, max_length: int = 0) -> dict:
+    batch = pack_collate(examples, max_length=max_length) if packing else pad_collate(examples, pad_id)
     return to_device(batch, device)
 
 
-def _forward(model, mb: dict[str, torch.Tensor], cp_group=None) -> torch.Tensor:
+def _forward(model, mb: dict, cp_group=None) -> torch.Tensor:
     if cp_group is not None:  # parallel.cp_size > 1: this rank's chunk of the packed row (models.cp)
-        logps, _ = cp_token_logps(model, mb["input_ids"], mb["position_ids"], cp_group)
+        logps, _ = cp_token_logps(model, mb["input_ids"], mb["position_ids"], cp_group, packing=mb["packing"])
         return logps * mb["loss_mask"]
-    logps, _ = token_logps(
-        model, mb["input_ids"], attention_mask=mb.get("attention_mask"), position_ids=mb.get("position_ids"),
-        target_mask=mb["loss_mask"],
-    )
+    if "packing" in mb:  # the collator's layout and LM-head positions: the forward reads nothing back (models.varlen)
+        logps, _ = token_logps(model, mb["input_ids"], position_ids=mb["position_ids"], target_mask=mb["loss_mask"],
+                               keep=mb["keep"], **forward_kwargs(model, mb["packing"]))
+        return logps
+    logps, _ = token_logps(model, mb["input_ids"], attention_mask=mb["attention_mask"], target_mask=mb["loss_mask"])
     return logps  # [B, T]
 
 
@@ -101,7 +102,8 @@ def _load_data(cfg: Config, tok) -> tuple[list[SFTExample], list[SFTExample], di
 
 
 def accumulate_gradients(
-    model, examples: list[SFTExample], *, micro_batch_size: int, packing: bool, loss_agg: str, pad_id: int, device
+    model, examples: list[SFTExample], *, micro_batch_size: int, packing: bool, loss_agg: str, pad_id: int, device,
+    max_length: int = 0,
 ) -> torch.Tensor:
     """Forward/backward this rank's examples in micro-batches; returns the step's loss (detached).
 
@@ -113,7 +115,7 @@ def accumulate_gradients(
         # Similar lengths in a micro-batch waste less compute on padding. The order within a
         # step does not change the step's loss (one global normalizer), only float rounding.
         examples = sorted(examples, key=len)
-    micro = [_collate(group, packing, pad_id, device) for group in chunks(examples, micro_batch_size)]
+    micro = [_collate(group, packing, pad_id, device, max_length) for group in chunks(examples, micro_batch_size)]
     count = sum(aggregate_count(mb["loss_mask"], loss_agg, segment_ids=mb["segment_ids"]) for mb in micro)
     normalizer = distributed.all_reduce_sum(count)
     scale, cp_group = distributed.grad_scale(), distributed.cp_group()
@@ -178,7 +180,8 @@ def train(cfg: Config, *, desc: str = "sft") -> RunResult:
         # ---- this rank's share of the step's global batch, cut into micro-batches
         mine = [train_set[i] for i in shard(t.sampler.next(), run.rank, run.world)]
         loss_sum = accumulate_gradients(t.model, mine, micro_batch_size=cfg.micro_batch_size, packing=cfg.packing,
-                                        loss_agg=cfg.loss_agg, pad_id=tok.pad_token_id, device=run.device)
+                                        loss_agg=cfg.loss_agg, pad_id=tok.pad_token_id, device=run.device,
+                                        max_length=cfg.data.max_length)
         # each cp rank's loss covers its chunks' tokens: the step's loss sums over dp and cp
         metrics = {"train/loss": distributed.all_reduce_sum(loss_sum, group="dp_cp").item(),
                    **frame.optimizer_step(t, o.max_grad_norm)}
