@@ -40,9 +40,10 @@ import torch.nn.functional as F
 from ..data.collate import Packing
 
 NAME = "relign_varlen_sdpa"
-# Architectures whose decoder hands ``position_ids`` to the attention function and builds only a
-# causal (+ padding) mask: the segments are read from the position ids, and nothing else is lost
-# by skipping the mask. Others keep SDPA and its block mask.
+# Architectures whose decoder hands ``position_ids`` and its kwargs to the attention function,
+# builds only a causal (+ padding) mask and takes a 4-D mask as built: the segments are read from
+# the layout or the position ids, and nothing else is lost by skipping the mask. Others keep SDPA
+# and its block mask.
 SUPPORTED = ("qwen2", "qwen3", "llama", "mistral")
 KV_INDEX = "relign_kv_index"  # the model kwarg that carries ``Packing.kv_index``
 
