@@ -12,13 +12,14 @@ On a GPU (``smoke=False``): a random model of Qwen2.5-0.5B's shape (``bench/gpu_
               device in every layer); new = the collator's ``Packing`` (one ``varlen_attn`` per
               layer). ms per pass (median of the timed passes, ``torch.cuda.synchronize``),
               peak GiB, |Δ logp| max / mean over the targets (the spec's bar: 2e-2 / 2e-3).
-  sync        the new pass under ``torch.cuda.set_sync_debug_mode("error")``: "silent", or the
-              error (the first op that synchronizes); the old pass too, for contrast.
+  sync        the new forward, and forward + backward, under ``torch.cuda.set_sync_debug_mode("error")``:
+              "silent", or the error (the first op that synchronizes); the old forward too, for contrast.
   gqa         the new pass with the 2 K/V heads passed to ``varlen_attn`` as they are vs
               repeated to 14 (``varlen.REPEAT_KV``): ms and max |Δ logp|.
   groups      a GRPO group (prompt 256, G = 8 responses of 128 .. 1,024 tokens): the responses
               continuing the prompt in one packed row (new) vs the padded shared-prefix path
               (the prompt's KV cache, ``shared_prefix_token_logps``): ms, peak, |Δ logp|.
+  compile     a decoder layer through ``torch.compile(backend="eager", fullgraph=True)``: one graph?
   alignment   ``varlen_attn`` itself against the dense masked reference (fp32) on sequences
               with fewer queries than keys (a continuation's prefix): max |Δ| bottom-right
               (what the layout needs) and top-left (what it must not be).
@@ -144,6 +145,28 @@ def _alignment(device: str, smoke: bool) -> dict:
             "heads": [H, Hkv], "q_lens": nq, "k_lens": nk}
 
 
+def _compile_layer(model, ids, pos, packing, device: str) -> dict:
+    """``torch.compile(layer, backend="eager", fullgraph=True)`` on the packed row: one graph, and
+    its output against the eager layer's (max |Δ|)."""
+    from relign.models.precision import autocast_of
+
+    layer = model.model.layers[0]
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad(), autocast_of(model):
+            h = model.model.embed_tokens(ids)
+            kw = dict(position_embeddings=model.model.rotary_emb(h, pos), position_ids=pos,
+                      **varlen.forward_kwargs(model, packing))
+            got = torch.compile(layer, backend="eager", fullgraph=True)(h, **kw)
+            want = layer(h, **kw)
+        got, want = (x[0] if isinstance(x, tuple) else x for x in (got, want))
+        return {"fullgraph": "ok", "max_abs": float((got.float() - want.float()).abs().max())}
+    except Exception as e:  # noqa: BLE001 - the device run records what broke the graph, and goes on
+        return {"fullgraph": f"error: {type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    finally:
+        torch._dynamo.reset()
+
+
 def _shim_flash():
     """On the CPU (smoke): ``varlen._flash`` with the dense reference in place of torch's kernel,
     taking the same keywords, so the wrapper's code runs too."""
@@ -186,9 +209,19 @@ def run(smoke: bool, device: str, budget_s: float) -> dict:
                          "new_peak_gib": new_peak, "dlogp_max": d["max"], "dlogp_mean": d["mean"],
                          "within_spec": d["max"] <= 2e-2 and d["mean"] <= 2e-3}
 
-        # ---- sync: the new pass reads nothing back; the old one does
-        out["sync"] = {"new": _under_sync_errors(lambda: _pass(model, ids, pos, target, **kw_new), device),
-                       "old": _under_sync_errors(lambda: _pass(model, ids, pos, target), device)}
+        # ---- sync: the new forward reads nothing back (the backward's kernels are torch's); the old one does
+        def forward(**kw):
+            return token_logps(model, ids, position_ids=pos, target_mask=target, **kw)[0]
+
+        out["sync"] = {"new_forward": _under_sync_errors(lambda: forward(**kw_new), device),
+                       "new_forward_backward": _under_sync_errors(lambda: _pass(model, ids, pos, target, **kw_new), device),
+                       "old_forward": _under_sync_errors(lambda: forward(), device)}
+
+        # ---- compile: a decoder layer traces to one graph through varlen_attn (backend eager: no inductor time)
+        if left() > 0:
+            out["compile"] = _compile_layer(model, ids, pos, packing, device)
+        else:
+            out["skipped"].append("compile")
 
         # ---- gqa: K/V heads as they are vs repeated
         if left() > 0:
