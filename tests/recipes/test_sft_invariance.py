@@ -125,3 +125,17 @@ def test_token_budget_sizes_the_passes(tiny_model_dir, tokenizer, monkeypatch):
     _grads(tiny_model_dir, ex, micro_batch_size=1, packing=True, loss_agg="token-mean", by_sequence=True, max_tokens=longest)
     assert sorted(n for part in seen for n in part) == sorted(len(e) for e in ex)
     assert all(sum(part) <= longest for part in seen) and len(seen) < len(ex)
+
+
+def test_a_ranks_filler_passes_add_nothing(tiny_model_dir, tokenizer, monkeypatch):
+    """A rank with fewer token-budget passes than another runs filler passes (FSDP needs every
+    rank's forwards): two of them change neither the loss nor the gradients."""
+    from relign.recipes import sft
+
+    ex = _examples(tokenizer)
+    alone = _grads(tiny_model_dir, ex, micro_batch_size=1, packing=True, loss_agg="token-mean", by_sequence=True,
+                   max_tokens=32768)
+    monkeypatch.setattr(sft.distributed, "lockstep", lambda parts, filler: [(p, True) for p in parts] + [(filler, False)] * 2)
+    padded = _grads(tiny_model_dir, ex, micro_batch_size=1, packing=True, loss_agg="token-mean", by_sequence=True,
+                    max_tokens=32768)
+    _assert_same(padded, alone)
