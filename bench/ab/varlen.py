@@ -2,8 +2,8 @@
 
     run(smoke, device, budget_s) -> dict     # a section of bench/gpu_ab.py
 
-On a GPU (``smoke=False``): a random model of Qwen2.5-0.5B's shape (``bench/gpu_checks.py``'s
-``QWEN05``: 14 query / 2 key-value heads, head dim 64), fp32 weights under bf16-mixed autocast
+On a GPU (``smoke=False``): the sections' random model of Qwen2.5-0.5B's shape (``bench/gpu_checks.py``'s
+``QWEN05``: 14 query / 2 key-value heads, head dim 64; ``bench/ab/common.py``), fp32 weights under bf16-mixed autocast
 (``model.dtype=bf16-mixed``), SDPA; on the same inputs:
 
   packed      forward + backward of 8 sequences of 256 .. 2,048 tokens in one packed row
@@ -42,19 +42,21 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.gpu_checks import QWEN05, SMOKE  # noqa: E402
+from bench.gpu_checks import QWEN05, SMOKE  # noqa: E402  (the shapes; bench/ab/common.py builds the model)
 from relign.data.collate import keep_index, pack_rows  # noqa: E402
 from relign.models import varlen  # noqa: E402
 from relign.models.logprobs import shared_prefix_token_logps, token_logps  # noqa: E402
 from relign.models.precision import enable_autocast  # noqa: E402
 
 
-def _model(shape: dict, device: str):
-    from transformers import AutoModelForCausalLM, Qwen2Config
+def _model(smoke: bool, device: str):
+    """The sections' shared random model (``bench/ab/common.py``: built once per process), fp32."""
+    from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    cfg = Qwen2Config(**shape, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(device)
+    from bench.ab import common
+
+    path, _ = common.model_dir(smoke)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").to(device)
     if torch.device(device).type == "cuda":
         enable_autocast(model)  # model.dtype=bf16-mixed
     return model.train()
@@ -196,7 +198,7 @@ def run(smoke: bool, device: str, budget_s: float) -> dict:
         lens = [8, 16, 24, 32, 40, 48, 56, 64] if smoke else [256 * i for i in range(1, 9)]  # 256 .. 2,048
         passes = 1 if smoke else 3
         max_length = 64 if smoke else 2048
-        model = _model(shape, device)
+        model = _model(smoke, device)
         ids, pos, target, keep, packing = _packed_inputs(lens, shape["vocab_size"], device, max_length, prompt=lens[0] // 4)
         varlen.enable(model)
         kw_new = dict(keep=keep, **varlen.forward_kwargs(model, packing))

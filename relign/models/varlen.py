@@ -235,9 +235,14 @@ def _flash(q, k, v, cu_seq_q, cu_seq_k, max_q: int, max_k: int, *, scale=None) -
 
 def _kernel_for(q: torch.Tensor, dropout: float):
     """The one-call varlen kernel for ``q``'s device and dtype, or None (SDPA by sequence): CUDA,
-    torch's varlen attention loaded, a half-precision compute dtype and no dropout."""
-    if q.device.type == "cpu" and CPU_KERNEL is not None and not dropout:
-        return CPU_KERNEL
+    torch's varlen attention loaded, a half-precision compute dtype and no dropout; on the CPU
+    ``CPU_KERNEL``, and the dense reference inside ``torch.compile`` (the eager twin's host
+    reads would break the graph at every layer; its O(T T_k) mask is what a CPU run can afford)."""
+    if q.device.type == "cpu" and not dropout:
+        if CPU_KERNEL is not None:
+            return CPU_KERNEL
+        if torch.compiler.is_compiling():  # a compiled CPU layer (model.compile=true): one graph, no host reads
+            return reference_varlen_attn
     if q.device.type != "cuda" or not _FLASH or dropout:
         return None
     half = (torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in (torch.bfloat16, torch.float16)
