@@ -2,15 +2,23 @@
 
 Padded micro-batch:  input_ids / attention_mask / loss_mask / segment_ids  [B, T_max]
 Packed micro-batch:  input_ids / position_ids / loss_mask / segment_ids    [1, sum T_i]
+                     + packing (``Packing``: where the sequences lie) and keep [K]
   position_ids restart at 0 for each example, and no attention mask: the attention runs
-  example by example (flash-attention's varlen kernel, or relign.models.varlen with SDPA), so
-  no token attends across examples and no compute goes to padding. Without either,
-  transformers builds a dense block-diagonal mask from the position ids (sum T_i^2 -> (sum T_i)^2).
+  example by example (flash-attention's varlen kernel, or relign.models.varlen), so no token
+  attends across examples and no compute goes to padding. Without either, transformers builds
+  a dense block-diagonal mask from the position ids (sum T_i^2 -> (sum T_i)^2).
+
+The collator knows every length on the host, so it also writes them down as the varlen kernel
+takes them (``Packing``: cumulative lengths, a constant maximum length, the key/value gather
+index of continuations) and which positions the LM head must score (``keep``): the forward then
+reads nothing back from the device to find the sequences.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -89,22 +97,99 @@ def pad_collate(examples: Sequence[Any], pad_id: int, segment_offset: int = 0) -
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, "segment_ids": segment_ids}
 
 
-def pack_collate(examples: Sequence[Any], segment_offset: int = 0) -> dict[str, torch.Tensor]:
-    """Concatenate ``examples`` into one row [1, sum T_i] with per-example position ids."""
-    ids, pos, mask, seg = [], [], [], []
+@dataclass(frozen=True)
+class Packing:
+    """Where the sequences of a packed row lie, as ``torch.nn.attention.varlen.varlen_attn`` and
+    transformers' flash-attention kwargs take them (``cu_seq_lens_q/k``, ``max_length_q/k``).
+
+    Sequence i's queries are the row's tokens ``cu_seq_lens_q[i] .. cu_seq_lens_q[i + 1] - 1``.
+    Its keys are the same tokens, or, for a *continuation* of an earlier sequence's first s
+    tokens (a group's response after its shared prompt), those s tokens then its own: the keys
+    are gathered from the row by ``kv_index`` and bounded by ``cu_seq_lens_k``. A continuation
+    has fewer queries than keys; its causal mask is aligned at the bottom right (query j sees
+    keys up to s + j: the prefix and its own tokens up to itself), as flash-attention aligns it.
+    The maximum lengths are only a bound on the kernel's grid: a constant (``data.max_length``)
+    keeps a compiled graph from specializing on each micro-batch's longest sequence."""
+
+    cu_seq_lens_q: torch.Tensor  # [N + 1] int32
+    cu_seq_lens_k: torch.Tensor  # [N + 1] int32 (the same tensor when there are no continuations)
+    max_length_q: int
+    max_length_k: int
+    kv_index: torch.Tensor | None = None  # [T_k] long: the row's column of each key; None: the keys are the row
+
+    def to(self, device, non_blocking: bool = False) -> Packing:
+        mv = lambda t: t.to(device, non_blocking=non_blocking) if t is not None else None  # noqa: E731
+        cu_q = mv(self.cu_seq_lens_q)
+        cu_k = cu_q if self.cu_seq_lens_k is self.cu_seq_lens_q else mv(self.cu_seq_lens_k)
+        return Packing(cu_q, cu_k, self.max_length_q, self.max_length_k, mv(self.kv_index))
+
+
+def pack_rows(lens: Sequence[int], starts: Sequence[int] | None = None, *, max_length: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor, Packing]:
+    """Right-padded rows as one packed row, on the host: (row [S], col [S], Packing).
+
+    Row i packs its columns ``starts[i] .. lens[i] - 1`` (default: all of them); ``col`` is also
+    each token's position id. A row with ``starts[i] = s > 0`` continues the first s tokens of
+    its root, the latest earlier row packed from column 0 (which must hold s tokens): it attends
+    to them and to itself, causally, as if it followed them in its own row. So a group's rows
+    ``[prompt | response_j]`` packed from ``P - 1`` after the first run the prompt once (each
+    repeats the prompt's last token, whose logits score its response's first). ``max_length``:
+    the constant bound on any sequence's length (0: this row's longest)."""
+    lens = [int(n) for n in lens]
+    starts = [0] * len(lens) if starts is None else [int(s) for s in starts]
+    counts = [n - s for n, s in zip(lens, starts)]
+    if any(c < 1 for c in counts):
+        raise ValueError(f"every packed row needs a token: lengths {lens}, starts {starts}")
+    row = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(counts))
+    first = torch.tensor(counts).cumsum(0) - torch.tensor(counts)  # each row's first packed column
+    col = torch.arange(sum(counts)) + torch.repeat_interleave(torch.tensor(starts) - first, torch.tensor(counts))
+    cu_q = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32)
+    max_q = max(max_length, max(counts))
+    if not any(starts):
+        return row, col, Packing(cu_q, cu_q, max_q, max_q)
+    keys, klens, root = [], [], None
+    for i, (s, c) in enumerate(zip(starts, counts)):
+        a = int(first[i])
+        if s == 0:
+            root = i
+        elif root is None or lens[root] < s:
+            raise ValueError(f"row {i} continues {s} tokens of a root row, but no earlier row packed from column 0 "
+                             f"holds them")
+        else:
+            keys.append(torch.arange(int(first[root]), int(first[root]) + s))  # the root's first s tokens
+        keys.append(torch.arange(a, a + c))  # then its own
+        klens.append(s + c)
+    cu_k = torch.tensor([0, *itertools.accumulate(klens)], dtype=torch.int32)
+    return row, col, Packing(cu_q, cu_k, max_q, max(max_length, max(klens)), torch.cat(keys))
+
+
+def keep_index(targets: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """The packed row's positions whose next token is a target (``targets`` [S], host): the
+    positions whose logits ``token_logps`` computes (``logits_to_keep``), found on the host."""
+    t = torch.as_tensor(targets)
+    return (t[1:] != 0).nonzero().squeeze(-1)
+
+
+def pack_collate(examples: Sequence[Any], segment_offset: int = 0, *, max_length: int = 0) -> dict[str, Any]:
+    """Concatenate ``examples`` into one row [1, sum T_i] with per-example position ids, its
+    ``packing`` and the LM head's ``keep`` positions (see the module's docstring)."""
+    ids, mask, seg = [], [], []
     for i, e in enumerate(examples):
         n = len(e.input_ids)
         ids.extend(e.input_ids)
-        pos.extend(range(n))
         mask.extend(e.loss_mask)
         seg.extend([i + segment_offset] * n)
+    _, pos, packing = pack_rows([len(e.input_ids) for e in examples], max_length=max_length)
     return {
         "input_ids": torch.tensor([ids], dtype=torch.long),
-        "position_ids": torch.tensor([pos], dtype=torch.long),
+        "position_ids": pos[None],
         "loss_mask": torch.tensor([mask], dtype=torch.float32),
         "segment_ids": torch.tensor([seg], dtype=torch.long),
+        "packing": packing,
+        "keep": keep_index(mask),
     }
 
 
-def to_device(batch: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+def to_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+    """Tensors (and ``Packing``) to ``device``; any other value as it is."""
+    return {k: v.to(device, non_blocking=True) if hasattr(v, "to") else v for k, v in batch.items()}

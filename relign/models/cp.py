@@ -7,10 +7,11 @@ token, so before it an all-to-all swaps the sequence split for a head split, (B,
 (B, H/cp, T, D), and after it the swap is reversed (DeepSpeed-Ulysses; veRL's
 ``ulysses_sequence_parallel_size``). Both all-to-alls are PyTorch's autograd
 one, so the backward swaps the gradients back. The attention between them is relign's varlen
-SDPA (``models.varlen``) on the whole row: it reads the sequences from the whole row's position
-ids, which every cp rank holds (each chunk's tokens keep their own position ids, so RoPE is right
-and a sequence may cross a chunk boundary). PyTorch's ``context_parallel`` is not used: it intercepts
-only the CUDA SDPA kernels (specs/parallel.md).
+attention (``models.varlen``) on the whole row: it reads the sequences from the whole row's layout
+(``data.collate.Packing``, the collator's, or read once from the position ids), which every cp
+rank holds and hands to the model as kwargs (each chunk's tokens keep their own position ids, so
+RoPE is right and a sequence may cross a chunk boundary). PyTorch's ``context_parallel`` is not
+used: it intercepts only the CUDA SDPA kernels (specs/parallel.md).
 
 Ulysses runs only inside ``chunked(...)`` (``cp_token_logps``, ``cp_values``); any other forward of the model
 (evaluation, generation) runs on whole rows as before, each cp rank computing the same.
@@ -26,13 +27,14 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from .. import distributed
+from ..data.collate import Packing
 from ..errors import ConfigError
 from . import varlen
 from .logprobs import entropy_from_logits, selective_log_softmax
 from .tp import check_heads
 
 NAME = "relign_ulysses"
-# (the cp group, the whole rows' position ids) while a chunked forward runs
+# the cp group while a chunked forward runs
 _ACTIVE = contextvars.ContextVar("relign_ulysses_active", default=None)
 
 
@@ -63,15 +65,14 @@ def _heads_to_seq(y: torch.Tensor, group, cp: int) -> torch.Tensor:
 
 def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' attention-function interface (query [B, H, t, D], key/value [B, H_kv, t, D]
-    -> ([B, t, H, D], None)); outside ``chunked`` it is varlen SDPA as it is."""
-    active = _ACTIVE.get()
-    if active is None:
+    -> ([B, t, H, D], None)); outside ``chunked`` it is varlen attention as it is. Inside, the
+    kwargs carry the whole row's layout (``cp_token_logps``), the same on every cp rank."""
+    group = _ACTIVE.get()
+    if group is None:
         return varlen.varlen_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
-    group, whole = active
     cp = dist.get_world_size(group)
-    if attention_mask is not None:
-        raise RuntimeError("context parallel attention runs packed rows only: position ids and no attention mask")
-    kwargs["position_ids"] = whole  # the whole row's: its sequence boundaries (every cp rank holds them)
+    if kwargs.get("cu_seq_lens_q") is None:
+        raise RuntimeError("context parallel attention runs packed rows only: the whole row's layout (varlen.forward_kwargs)")
     q, k, v = (_seq_to_heads(x, group, cp) for x in (query, key, value))
     out, _ = varlen.varlen_sdpa_attention(module, q, k, v, None, **kwargs)  # [B, T, H/cp, D]
     return _heads_to_seq(out, group, cp), None
@@ -97,10 +98,10 @@ def enable_ulysses(model, cp_size: int, tp_size: int = 1) -> None:
 
 
 @contextlib.contextmanager
-def chunked(group, position_ids: torch.Tensor):
+def chunked(group):
     """Forwards inside run on this rank's chunk of each row, attention over the whole row, whose
-    (padded) ``position_ids`` every cp rank holds: no exchange of them per layer."""
-    token = _ACTIVE.set((group, position_ids))
+    (padded) layout every cp rank holds and passes as kwargs: no exchange of it per layer."""
+    token = _ACTIVE.set(group)
     try:
         yield
     finally:
@@ -113,20 +114,35 @@ def chunk_bounds(T: int, cp: int, c: int) -> tuple[int, int, int]:
     return n * cp, c * n, (c + 1) * n
 
 
-def _chunk(input_ids: torch.Tensor, position_ids: torch.Tensor, group
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-    """This cp rank's chunk [a, e) of each row (ids and position ids), the whole padded rows'
-    position ids, and (a, last): its outputs at columns a .. last - 1 score targets a + 1 .. last
+def _chunk(input_ids: torch.Tensor, position_ids: torch.Tensor, group, packing: Packing | None
+           ) -> tuple[torch.Tensor, torch.Tensor, Packing, int, int]:
+    """This cp rank's chunk [a, e) of the row (ids and position ids), the whole padded row's
+    layout, and (a, last): its outputs at columns a .. last - 1 score targets a + 1 .. last
     (the last being the next chunk's first token). A row not a multiple of cp long is padded at
-    its end with a sequence of its own (position ids from 0), which no real token attends to."""
+    its end with a sequence of its own (position ids from 0), which no real token attends to.
+    ``packing``: the row's layout from its collator; None reads it from the position ids (once)."""
     cp, c = dist.get_world_size(group), dist.get_rank(group)
     B, T = input_ids.shape
+    if B != 1:
+        raise ValueError(f"context parallel runs one packed row per forward, not {B}")
+    packing = varlen.layout_of(position_ids) if packing is None else packing
     Tp, a, e = chunk_bounds(T, cp, c)
     if Tp > T:
         pad = Tp - T
         input_ids = torch.cat([input_ids, input_ids.new_zeros(B, pad)], dim=1)
         position_ids = torch.cat([position_ids, torch.arange(pad, device=position_ids.device).expand(B, pad)], dim=1)
-    return input_ids[:, a:e], position_ids[:, a:e], position_ids, a, min(e, T - 1)
+        packing = _pad_layout(packing, T, pad)
+    return input_ids[:, a:e], position_ids[:, a:e], packing, a, min(e, T - 1)
+
+
+def _pad_layout(p: Packing, T: int, pad: int) -> Packing:
+    """``p`` with one more sequence: the ``pad`` tokens after the row's T (device ops only)."""
+    end = lambda cu: torch.cat([cu, cu[-1:] + pad])  # noqa: E731
+    cu_q = end(p.cu_seq_lens_q)
+    if p.kv_index is None:
+        return Packing(cu_q, cu_q, max(p.max_length_q, pad), max(p.max_length_k, pad))
+    kv = torch.cat([p.kv_index, torch.arange(T, T + pad, device=p.kv_index.device)])
+    return Packing(cu_q, end(p.cu_seq_lens_k), max(p.max_length_q, pad), max(p.max_length_k, pad), kv)
 
 
 def _place(x: torch.Tensor, a: int, last: int, T: int) -> torch.Tensor:
@@ -136,7 +152,7 @@ def _place(x: torch.Tensor, a: int, last: int, T: int) -> torch.Tensor:
 
 
 def cp_token_logps(model, input_ids: torch.Tensor, position_ids: torch.Tensor, group, *, temperature: float = 1.0,
-                   with_entropy: bool = False, entropy_grad: bool = False
+                   with_entropy: bool = False, entropy_grad: bool = False, packing: Packing | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(x_t | x_<t), entropy or None) [B, T] of packed rows (``token_logps``'s convention:
     column t scores token t) at the targets this cp rank scores, 0 at the others': the rank runs
@@ -145,9 +161,10 @@ def cp_token_logps(model, input_ids: torch.Tensor, position_ids: torch.Tensor, g
     ranks this is the whole row's (``whole_row``), and the sum of the ranks' losses
     backpropagates to the whole row's gradient (the attention all-to-alls carry each token's
     key and value gradients back to its rank)."""
-    ids, pos, whole, a, last = _chunk(input_ids, position_ids, group)
-    with chunked(group, whole):
-        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, : max(last - a, 0)]
+    ids, pos, whole, a, last = _chunk(input_ids, position_ids, group, packing)
+    with chunked(group):
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False,
+                       **varlen.forward_kwargs(model, whole)).logits[:, : max(last - a, 0)]
     T = input_ids.shape[1]
     lp = selective_log_softmax(logits, input_ids[:, a + 1 : last + 1], temperature=temperature)
     ent = None
@@ -156,12 +173,14 @@ def cp_token_logps(model, input_ids: torch.Tensor, position_ids: torch.Tensor, g
     return _place(lp.float(), a, last, T), ent
 
 
-def cp_values(critic, input_ids: torch.Tensor, position_ids: torch.Tensor, group) -> torch.Tensor:
+def cp_values(critic, input_ids: torch.Tensor, position_ids: torch.Tensor, group, packing: Packing | None = None
+              ) -> torch.Tensor:
     """A ``ValueModel``'s V(x_<t) [B, T] (``values[:, t]`` read off the hidden state at t - 1, as
     its forward aligns them) at this cp rank's targets, 0 at the others' (as ``cp_token_logps``)."""
-    ids, pos, whole, a, last = _chunk(input_ids, position_ids, group)
-    with chunked(group, whole):
-        v = critic(ids, position_ids=pos, shifted=False)[:, : max(last - a, 0)]  # V after reading each chunk token
+    ids, pos, whole, a, last = _chunk(input_ids, position_ids, group, packing)
+    with chunked(group):
+        v = critic(ids, position_ids=pos, shifted=False,
+                   **varlen.forward_kwargs(critic, whole))[:, : max(last - a, 0)]  # V after reading each chunk token
     return _place(v, a, last, input_ids.shape[1])
 
 

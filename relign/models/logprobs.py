@@ -129,13 +129,17 @@ def right_padded(attention_mask: torch.Tensor) -> bool:
 def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, temperature: float = 1.0, with_entropy: bool = False,
                 entropy_grad: bool = False, target_mask: torch.Tensor | None = None,
-                chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor | None]:
+                chunk_tokens: int = DEFAULT_CHUNK_TOKENS, keep: torch.Tensor | None = None,
+                **model_kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the model and return (logps [B, T], entropy [B, T] or None), see shifted_token_logps.
 
     ``target_mask`` [B, T]: score only these tokens (the rest get 0). The LM head and the
     softmax then run only at the positions that predict them (``logits_to_keep`` with an
     index tensor), which skips the prompt: for a 150k vocabulary the head is a large share of
-    the compute and its logits most of the activation memory.
+    the compute and its logits most of the activation memory. ``keep``: those positions, where
+    the caller knows them on the host (``data.collate.keep_index``; a superset is fine, the
+    other rows' non-targets are zeroed anyway); else they are found on the device (one sync).
+    ``model_kwargs`` go to the model's forward (a packed row's layout: ``varlen.forward_kwargs``).
 
     For packed rows pass ``position_ids`` that restart at 0 for each example and no
     attention mask: attention then runs example by example (``relign.models.varlen``, or
@@ -152,10 +156,11 @@ def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, *, attention_ma
     if attention_mask is not None and position_ids is None and right_padded(attention_mask):
         attention_mask = None
     if target_mask is not None and input_ids.shape[1] > 1:
-        keep = target_mask[:, 1:].bool().any(0).nonzero().squeeze(-1)  # positions p predicting p + 1
+        if keep is None:
+            keep = target_mask[:, 1:].bool().any(0).nonzero().squeeze(-1)  # positions p predicting p + 1
         if 0 < keep.numel() < input_ids.shape[1] - 1:
             out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                        logits_to_keep=keep)
+                        logits_to_keep=keep, **model_kwargs)
             logits = out.logits  # [B, K, V]
             if logits.shape[1] == keep.numel():
                 B, T = input_ids.shape
@@ -168,7 +173,8 @@ def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, *, attention_ma
                     ent = e.new_zeros(B, T).index_copy(1, keep + 1, e * on)
                 return logps, ent
             # a model that ignores index-tensor logits_to_keep: fall through to the full path
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                **model_kwargs)
     logps, ent = shifted_token_logps(
         out.logits, input_ids, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
         chunk_tokens=chunk_tokens,

@@ -38,13 +38,15 @@ class ValueModel(torch.nn.Module):
     def config(self):
         return self.lm.config
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, shifted: bool = True) -> torch.Tensor:
+    def forward(self, input_ids, attention_mask=None, position_ids=None, shifted: bool = True, **kwargs) -> torch.Tensor:
         """values [B, T] (fp32), aligned like ``token_logps``: ``values[:, t] = V(x_<t)``, the
         value of the state in which token t is chosen (read off the hidden state at t - 1);
         ``values[:, 0] = 0``. Rewards, log-probs and values of an action then share an index.
         ``shifted=False``: the value after reading each token, unaligned (context parallel
-        aligns a chunk's values itself: its first target's state is the previous chunk's)."""
-        out = _backbone(self.lm)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        aligns a chunk's values itself: its first target's state is the previous chunk's). ``kwargs``
+        go to the backbone (a packed row's layout: ``varlen.forward_kwargs``)."""
+        out = _backbone(self.lm)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                                 **kwargs)
         h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         # the head's dtype: a bf16-compute backbone hands back bf16 hidden states
         v = self.head(h.to(self.head.weight.dtype)).squeeze(-1).float()  # [B, T], V after reading token t

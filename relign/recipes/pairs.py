@@ -9,6 +9,7 @@ import torch
 
 from .. import distributed
 from ..config import PreferenceDataConfig
+from ..data.collate import keep_index, pack_rows
 from ..data.pointwise import build_point_examples
 from ..data.preference import PairExample, UnpairedExample, build_pair_examples, build_unpaired_examples
 from ..data.stats import announce
@@ -16,7 +17,6 @@ from ..errors import ConfigError
 from ..models import varlen
 from ..models.cp import cp_token_logps, whole_row
 from ..models.logprobs import shared_prefix_token_logps, token_logps
-from ..models.varlen import continuation_starts, pack_index
 
 
 def load_examples(d: PreferenceDataConfig, tok, *, unpaired: bool = False, points: bool = False, seed: int = 0,
@@ -113,26 +113,28 @@ def _pad(rows: Sequence[tuple[list[int], list[int]]], pad_id: int) -> tuple[torc
     return input_ids, attention_mask, loss_mask
 
 
-def collate_pairs(pairs: Sequence[PairExample], pad_id: int, device) -> dict[str, torch.Tensor]:
+def collate_pairs(pairs: Sequence[PairExample], pad_id: int, device) -> dict:
     """Rows interleaved ``[c_0, r_0, c_1, r_1, ...]``, right-padded: one forward for the whole
-    micro-batch, and each consecutive two rows share a prompt (``prompt_lens``)."""
+    micro-batch, and each consecutive two rows share a prompt (``prompt_lens``). ``lengths``:
+    each row's (tokens, prompt tokens) on the host, from which a packed layout is cut."""
     rows = [r for p in pairs for r in ((p.chosen_ids, p.chosen_mask), (p.rejected_ids, p.rejected_mask))]
     input_ids, attention_mask, loss_mask = _pad(rows, pad_id)
     prompt_lens = torch.tensor([p.prompt_len for p in pairs for _ in (0, 1)], dtype=torch.long)
     margins = torch.tensor([p.margin for p in pairs], dtype=torch.float32)
     out = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, "prompt_lens": prompt_lens,
            "margins": margins}
-    return {k: v.to(device) for k, v in out.items()}
+    lengths = [(len(ids), p.prompt_len) for p in pairs for ids in (p.chosen_ids, p.rejected_ids)]
+    return {**{k: v.to(device) for k, v in out.items()}, "lengths": lengths}
 
 
-def collate_unpaired(examples: Sequence[UnpairedExample], pad_id: int, device) -> dict[str, torch.Tensor]:
+def collate_unpaired(examples: Sequence[UnpairedExample], pad_id: int, device) -> dict:
     input_ids, attention_mask, loss_mask = _pad([(e.input_ids, e.loss_mask) for e in examples], pad_id)
     labels = torch.tensor([e.label for e in examples], dtype=torch.bool)
     out = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, "labels": labels}
-    return {k: v.to(device) for k, v in out.items()}
+    return {**{k: v.to(device) for k, v in out.items()}, "lengths": [(len(e.input_ids), e.prompt_len) for e in examples]}
 
 
-def sequence_logps(model, mb: dict[str, torch.Tensor], *, share_prompt: bool, packed: bool = False
+def sequence_logps(model, mb: dict, *, share_prompt: bool, packed: bool = False, max_length: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed response log-probs and response lengths, both [N] (fp32).
 
@@ -147,19 +149,23 @@ def sequence_logps(model, mb: dict[str, torch.Tensor], *, share_prompt: bool, pa
     mask = mb["loss_mask"]
     if packed and share_prompt and not varlen.active(model):  # it would read a continuation as a sequence of its own
         packed = False
-    if packed:
-        starts = None
-        if share_prompt:  # rows [c_0, r_0, c_1, r_1, ...]: each r_i continues c_i's prompt
-            starts = continuation_starts(mb["prompt_lens"], torch.arange(mask.shape[0], device=mask.device) % 2 == 1)
-        row, col = pack_index(mb["attention_mask"].sum(-1), starts)
+    if packed:  # laid out on the host from the collator's lengths: the forward reads nothing back
+        lens, plens = zip(*mb["lengths"])
+        # rows [c_0, r_0, c_1, r_1, ...]: with share_prompt each r_i continues c_i's prompt
+        starts = [max(p - 1, 0) if share_prompt and i % 2 else 0 for i, p in enumerate(plens)]
+        row, col, packing = pack_rows(lens, starts, max_length=max_length)
         first = torch.ones_like(row, dtype=torch.bool)
         first[1:] = row[1:] != row[:-1]
+        keep = keep_index((col >= torch.tensor(plens)[row]) & ~first)  # responses only: a superset of the targets
+        row, col, first = (x.to(mask.device, non_blocking=True) for x in (row, col, first))
+        packing, keep = packing.to(mask.device, non_blocking=True), keep.to(mask.device, non_blocking=True)
         target = (mask[row, col] * ~first)[None]  # a packed sequence's first token is scored against another: never a target
         ids, pos, group = mb["input_ids"][row, col][None], col[None], distributed.cp_group()
         if group is None:
-            logps, _ = token_logps(model, ids, position_ids=pos, target_mask=target)
+            logps, _ = token_logps(model, ids, position_ids=pos, target_mask=target, keep=keep,
+                                   **varlen.forward_kwargs(model, packing))
         else:  # context parallel: this rank runs its chunk of the row, every cp rank gets the whole row (models.cp)
-            logps = whole_row(cp_token_logps(model, ids, pos, group)[0], group)
+            logps = whole_row(cp_token_logps(model, ids, pos, group, packing=packing)[0], group)
         sums = torch.zeros(mask.shape[0], dtype=logps.dtype, device=logps.device).index_add(0, row, (logps * target)[0])
         return sums, mask.sum(-1)
     if share_prompt:

@@ -45,6 +45,7 @@ from ..checkpoint import gather_train_state, load_checkpoint, load_model_weights
 from ..data.collate import StepSampler
 from ..evaluate import PeriodicEval
 from ..models import varlen
+from ..models.budget import CPU_TOKENS, device_tokens
 from ..models.flops import ModelFlops, model_flops
 from ..models.loading import load_model_tokenizer, trainable_parameters
 from ..models.value import ValueModel
@@ -159,8 +160,10 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
                             bar_keys=("reward/mean", "reward/score", "actor/kl", "response/length_mean", "perf/tokens_per_s",
                                       "perf/mfu"))
     kind = "packed" if pack else ("shared" if share else "padded")
-    layout = Layout(kind, group_size=ro.n if share else 1, max_tokens=cfg.max_tokens_per_micro,
-                    max_rows=cfg.micro_batch_size)
+    # passes of a token budget sized for the device; the longest row any pass holds (varlen's constant bound)
+    budget = device_tokens(cfg.max_tokens_per_micro, tr.model, run.device, cpu=CPU_TOKENS, checkpointing=m.gradient_checkpointing)
+    layout = Layout(kind, group_size=ro.n if share else 1, max_tokens=budget, max_rows=cfg.micro_batch_size,
+                    max_length=t.max_prompt_length + (ro.max_response_tokens or ro.max_new_tokens * ro.max_turns))
     loss_fn = actor_loss(a, collector.max_response_tokens)
     options = AdvantageOptions(ro.n, a.scale_rewards, a.gamma, a.lam, a.whiten_advantages)
     probe = None

@@ -249,8 +249,9 @@ class Config(TrainFields):
     """Also stop after this much wall-clock training (checked after each step, which is then saved; 0 = no limit)."""
     prompts_per_step: int = 8
     """Prompts per step over all ranks; the batch holds prompts_per_step x rollout.n completions."""
-    max_tokens_per_micro: int = 4096
-    """Token budget of one forward/backward pass on one rank: prompt + response tokens as computed (a shared prompt once; 0 = no limit)."""
+    max_tokens_per_micro: int | None = None
+    """Token budget of one forward/backward pass on one rank: prompt + response tokens as computed (a shared prompt once;
+    0 = no limit; null = by device: 4096 on the CPU, on CUDA 32768 or what free memory holds if less)."""
     micro_batch_size: int = 0
     """Most sequences in one forward/backward pass (0 = no limit: max_tokens_per_micro decides)."""
     share_prompt: bool = True
@@ -272,7 +273,8 @@ def check_counts(cfg: Config) -> None:
                    "rollout.max_batch_rows", "rollout.top_p", "task.max_prompt_length",
                    "task.reward_timeout", "algorithm.ppo_epochs", "algorithm.mini_batches", "algorithm.max_sampling_rounds",
                    "reward.batch_size", "reward.max_length", "critic.lr")
-    check_non_negative(cfg, "max_seconds", "max_tokens_per_micro", "micro_batch_size", "traces_per_step", "rollout.top_k", "rollout.overlap_threads",
+    check_non_negative(cfg, "max_seconds", *(["max_tokens_per_micro"] if cfg.max_tokens_per_micro is not None else []),
+                       "micro_batch_size", "traces_per_step", "rollout.top_k", "rollout.overlap_threads",
                        "rollout.max_turns", "rollout.max_response_tokens", "rollout.min_new_tokens", "task.max_rows", "task.reward_workers",
                        "task.format_weight", "algorithm.clip_low", "algorithm.clip_high", "algorithm.kl_coef",
                        "algorithm.entropy_coef", "algorithm.kl_clamp", "algorithm.tis_cap", "algorithm.overlong_cache",

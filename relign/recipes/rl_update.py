@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -48,10 +49,11 @@ from ..algorithms.kl import kl_estimate
 from ..algorithms.policy_losses import entropy_bonus_loss, gspo_loss, ppo_clip_loss, value_loss
 from ..algorithms.trpo import self_kl, surrogate_objective, token_kl, trpo_step
 from ..data.balance import micro_batch_plan
+from ..data.collate import Packing, keep_index, pack_rows
 from ..models import lean
 from ..models.cp import cp_token_logps, cp_values, whole_row
 from ..models.logprobs import PromptPrefix, prompt_prefix, response_token_logps, shared_prefix_token_logps, token_logps
-from ..models.varlen import continuation_starts, pack_index
+from ..models.varlen import forward_kwargs
 from ..optim import clip_gradients
 from ..rollout.batch import RolloutBatch
 
@@ -68,6 +70,9 @@ class Layout:
     """Most tokens (prompt + response, as run) in one micro-batch; 0 = no limit."""
     max_rows: int = 0
     """Most sequences in one micro-batch; 0 = no limit."""
+    max_length: int = 0
+    """The longest sequence a pass can hold (prompt + response): the varlen kernel's constant bound
+    (``data.collate.Packing``); 0 = each micro-batch's own longest."""
 
 
 @dataclass
@@ -141,19 +146,33 @@ def plan(batch: RolloutBatch, rows: torch.Tensor, layout: Layout) -> list[MicroB
 # --------------------------------------------------------------------------- forward passes
 
 
-def _packed(batch: RolloutBatch, rows: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rows' real tokens in one row: ids, position ids, response mask [1, S], and the
-    (row, column) of each packed token [S] for scattering results back. With groups of ``G > 1``
-    a row after the first of its group packs only its prompt's last token and its response,
-    which continue the group's prompt (``varlen.segments``): each prompt runs once."""
+class Packed(NamedTuple):
+    """A micro-batch's rows as one packed row [1, S] (``_packed``)."""
+
+    ids: torch.Tensor  # [1, S]
+    pos: torch.Tensor  # [1, S] position ids
+    response_mask: torch.Tensor  # [1, S]
+    where: torch.Tensor  # [2, S]: (row, column) of each packed token, to scatter results back
+    packing: Packing  # where its sequences lie (varlen attention)
+    keep: torch.Tensor  # [K]: the positions whose next token is a response token (the LM head's)
+
+
+def _packed(batch: RolloutBatch, rows: torch.Tensor, G: int, max_length: int = 0) -> Packed:
+    """The rows' real tokens in one row, laid out on the host from the rows' lengths (one read
+    of them per micro-batch, none in the forward). With groups of ``G > 1`` a row after the
+    first of its group packs only its prompt's last token and its response, which continue the
+    group's prompt (``data.collate.pack_rows``): each prompt runs once."""
+    dev = batch.input_ids.device
+    at, lens, plens = torch.stack([rows.to(dev), batch.seq_lens[rows], batch.prompt_lens[rows]]).tolist()
     starts = None
-    if G > 1:
-        same = torch.zeros(len(rows), dtype=torch.bool, device=rows.device)
-        same[1:] = rows[1:] // G == rows[:-1] // G  # a group's rows are consecutive in the batch
-        starts = continuation_starts(batch.prompt_lens[rows], same)
-    row_of, col = pack_index(batch.seq_lens[rows], starts)  # [S]
-    r = rows[row_of]
-    return batch.input_ids[r, col][None], col[None], batch.response_mask[r, col][None], torch.stack([row_of, col])
+    if G > 1:  # a group's rows are consecutive in the batch
+        starts = [max(p - 1, 0) if i and r // G == at[i - 1] // G else 0 for i, (r, p) in enumerate(zip(at, plens))]
+    row_of, col, packing = pack_rows(lens, starts, max_length=max_length)
+    keep = keep_index(col >= torch.tensor(plens)[row_of])  # prompt tokens are never scored: a superset of the targets
+    where = torch.stack([row_of, col]).to(dev, non_blocking=True)
+    r = rows.to(dev)[where[0]]
+    return Packed(batch.input_ids[r, where[1]][None], where[1][None], batch.response_mask[r, where[1]][None], where,
+                  packing.to(dev, non_blocking=True), keep.to(dev, non_blocking=True))
 
 
 def forward_logps(model, batch: RolloutBatch, rows: torch.Tensor, layout: Layout, *, temperature: float,
@@ -176,14 +195,15 @@ def forward_logps(model, batch: RolloutBatch, rows: torch.Tensor, layout: Layout
         on = mb["response_mask"]  # the whole response span is scored: keep the model's tokens only (not an env's)
         return lp * on, ent * on if ent is not None else None
     if layout.kind == "packed":
-        ids, pos, rmask, where = _packed(batch, rows, layout.group_size)
+        p = _packed(batch, rows, layout.group_size, layout.max_length)
         group = distributed.cp_group()
         if group is None:
-            lp, ent = token_logps(model, ids, position_ids=pos, target_mask=rmask, **kw)  # [1, S]
+            lp, ent = token_logps(model, p.ids, position_ids=p.pos, target_mask=p.response_mask, keep=p.keep,
+                                  **forward_kwargs(model, p.packing), **kw)  # [1, S]
         else:  # context parallel: this rank runs its chunk of the row; every cp rank gets the whole row
-            lp, ent = (whole_row(x, group) for x in cp_token_logps(model, ids, pos, group, **kw))
+            lp, ent = (whole_row(x, group) for x in cp_token_logps(model, p.ids, p.pos, group, packing=p.packing, **kw))
         # a packed segment's first token is scored against the previous segment: never a target
-        back = lambda x: x.new_zeros(len(rows), L).index_put((where[0], where[1]), x[0] * rmask[0])  # noqa: E731
+        back = lambda x: x.new_zeros(len(rows), L).index_put((p.where[0], p.where[1]), x[0] * p.response_mask[0])  # noqa: E731
         return back(lp), back(ent) if ent is not None else None
     # padded: right padding under causal attention needs no mask; cut to the longest row
     width = int(batch.seq_lens[rows].max())
@@ -196,10 +216,13 @@ def forward_values(critic, batch: RolloutBatch, rows: torch.Tensor, layout: Layo
     """V(s_t) [n, L] of the rows (the critic has no shared-prompt path: shared runs padded)."""
     L = batch.input_ids.shape[1]
     if layout.kind == "packed":
-        ids, pos, rmask, where = _packed(batch, rows, layout.group_size)
+        p = _packed(batch, rows, layout.group_size, layout.max_length)
         group = distributed.cp_group()
-        v = critic(ids, position_ids=pos) if group is None else whole_row(cp_values(critic, ids, pos, group), group)  # [1, S]
-        return v.new_zeros(len(rows), L).index_put((where[0], where[1]), v[0] * rmask[0])
+        if group is None:
+            v = critic(p.ids, position_ids=p.pos, **forward_kwargs(critic, p.packing))  # [1, S]
+        else:
+            v = whole_row(cp_values(critic, p.ids, p.pos, group, p.packing), group)
+        return v.new_zeros(len(rows), L).index_put((p.where[0], p.where[1]), v[0] * p.response_mask[0])
     width = int(batch.seq_lens[rows].max())
     return F.pad(critic(batch.input_ids[rows, :width]), (0, L - width))
 

@@ -25,14 +25,16 @@ from ..checks import (
     check_choice, check_common, check_divides, check_model_path, check_non_negative, check_positive, check_rows
 )
 from ..config import BatchFields, ConfigError, DataConfig, OptimConfig
+from ..data.balance import micro_batch_plan
 from ..data.collate import chunks, pack_collate, pad_collate, shard, to_device
 from ..data.sft import TRUNCATION, SFTExample, build_sft_examples
 from ..data.stats import announce
+from ..models.budget import device_tokens
 from ..models.cp import cp_token_logps
 from ..models.flops import ModelFlops, model_flops
 from ..models.loading import load_model_tokenizer
 from ..models.logprobs import token_logps
-from ..models.varlen import packed_attention
+from ..models.varlen import forward_kwargs, packed_attention
 from . import RunResult, build, frame
 
 
@@ -46,12 +48,18 @@ class Config(BatchFields):
     """Pack each micro-batch into one padding-free row with per-example position ids; attention runs example by
     example (flash-attention's varlen kernel, or SDPA per example: relign.models.varlen). false: length-sorted padded
     micro-batches."""
+    max_tokens_per_micro: int | None = None
+    """Token budget of one packed forward/backward pass on one rank (packing=true): this rank's examples are cut into
+    balanced passes of at most this many tokens and micro_batch_size no longer counts; 0 = off (micro_batch_size
+    examples per pass); null = by device: off on the CPU, on CUDA 32768 or what free memory holds if less."""
 
 
 def _check(cfg: Config) -> None:
     """Every setting that cannot work, before any data or model is read."""
     check_positive(cfg, "batch_size", "micro_batch_size", "eval_batch_size", "epochs")
     check_non_negative(cfg, "max_steps", "eval_every")  # max_steps 0 = epochs x steps per epoch
+    if cfg.max_tokens_per_micro is not None:
+        check_non_negative(cfg, "max_tokens_per_micro")
     check_divides(cfg, "batch_size", "micro_batch_size", distributed.data_size())
     check_common(cfg)
     check_choice("loss_agg", cfg.loss_agg, [m for m in MODES if m in ("token-mean", "seq-mean-token-mean")])
@@ -61,19 +69,20 @@ def _check(cfg: Config) -> None:
     check_model_path("model.path", cfg.model.path)
 
 
-def _collate(examples: list[SFTExample], packing: bool, pad_id: int, device) -> dict[str, torch.Tensor]:
-    batch = pack_collate(examples) if packing else pad_collate(examples, pad_id)
+def _collate(examples: list[SFTExample], packing: bool, pad_id: int, device, max_length: int = 0) -> dict:
+    batch = pack_collate(examples, max_length=max_length) if packing else pad_collate(examples, pad_id)
     return to_device(batch, device)
 
 
-def _forward(model, mb: dict[str, torch.Tensor], cp_group=None) -> torch.Tensor:
+def _forward(model, mb: dict, cp_group=None) -> torch.Tensor:
     if cp_group is not None:  # parallel.cp_size > 1: this rank's chunk of the packed row (models.cp)
-        logps, _ = cp_token_logps(model, mb["input_ids"], mb["position_ids"], cp_group)
+        logps, _ = cp_token_logps(model, mb["input_ids"], mb["position_ids"], cp_group, packing=mb["packing"])
         return logps * mb["loss_mask"]
-    logps, _ = token_logps(
-        model, mb["input_ids"], attention_mask=mb.get("attention_mask"), position_ids=mb.get("position_ids"),
-        target_mask=mb["loss_mask"],
-    )
+    if "packing" in mb:  # the collator's layout and LM-head positions: the forward reads nothing back (models.varlen)
+        logps, _ = token_logps(model, mb["input_ids"], position_ids=mb["position_ids"], target_mask=mb["loss_mask"],
+                               keep=mb["keep"], **forward_kwargs(model, mb["packing"]))
+        return logps
+    logps, _ = token_logps(model, mb["input_ids"], attention_mask=mb["attention_mask"], target_mask=mb["loss_mask"])
     return logps  # [B, T]
 
 
@@ -102,26 +111,38 @@ def _load_data(cfg: Config, tok) -> tuple[list[SFTExample], list[SFTExample], di
 
 
 def accumulate_gradients(
-    model, examples: list[SFTExample], *, micro_batch_size: int, packing: bool, loss_agg: str, pad_id: int, device
+    model, examples: list[SFTExample], *, micro_batch_size: int, packing: bool, loss_agg: str, pad_id: int, device,
+    max_length: int = 0, max_tokens: int = 0,
 ) -> torch.Tensor:
     """Forward/backward this rank's examples in micro-batches; returns the step's loss (detached).
 
     One normalizer N (tokens or sequences) is counted over the whole step, all micro-batches
     and all ranks, before any backward pass, so the accumulated gradient is that of the full
     batch loss: sum_mb aggregate(-logp_mb, mask_mb, mode, N) == aggregate(-logp, mask, mode).
+
+    ``max_tokens`` (with packing): micro-batches of at most that many tokens, balanced
+    (``data.balance.micro_batch_plan``; a longer example runs alone), instead of
+    ``micro_batch_size`` examples; every rank runs as many passes as the one with the most, a
+    rank with fewer adding passes that count zero (FSDP needs each rank's forwards).
     """
     if not packing:
         # Similar lengths in a micro-batch waste less compute on padding. The order within a
         # step does not change the step's loss (one global normalizer), only float rounding.
         examples = sorted(examples, key=len)
-    micro = [_collate(group, packing, pad_id, device) for group in chunks(examples, micro_batch_size)]
-    count = sum(aggregate_count(mb["loss_mask"], loss_agg, segment_ids=mb["segment_ids"]) for mb in micro)
+    if packing and max_tokens > 0:
+        plan = micro_batch_plan([len(e) for e in examples], max_tokens=max_tokens)[0]
+        groups = distributed.lockstep([[examples[i] for i in part] for part in plan],
+                                      filler=[min(examples, key=len)])
+    else:
+        groups = [(group, True) for group in chunks(examples, micro_batch_size)]
+    micro = [(_collate(group, packing, pad_id, device, max_length), real) for group, real in groups]
+    count = sum(aggregate_count(mb["loss_mask"], loss_agg, segment_ids=mb["segment_ids"]) for mb, real in micro if real)
     normalizer = distributed.all_reduce_sum(count)
     scale, cp_group = distributed.grad_scale(), distributed.cp_group()
     loss_sum = torch.zeros((), device=device)
-    for mb in micro:
+    for mb, real in micro:
         logps = _forward(model, mb, cp_group)  # [B, T]; under context parallel, only this rank's chunk's targets
-        loss = aggregate(-logps, mb["loss_mask"], loss_agg, normalizer, segment_ids=mb["segment_ids"])
+        loss = aggregate(-logps, mb["loss_mask"], loss_agg, normalizer, segment_ids=mb["segment_ids"]) * float(real)
         # FSDP averages gradients over ranks; scale so that they sum instead (N is global).
         (loss * scale).backward()
         loss_sum += loss.detach()
@@ -178,6 +199,9 @@ def train(cfg: Config, *, desc: str = "sft") -> RunResult:
     banner.start("sft", cfg, model=model, **facts)  # parameters counted before FSDP shards them
     t = frame.trainable(run, model, ckpt=frame.checkpoint_to_resume(run), rows=len(train_set), batch_size=cfg.batch_size,
                         total_steps=total_steps)
+    # packed passes of a token budget sized for the device (off on the CPU: micro_batch_size examples per pass)
+    max_tokens = device_tokens(cfg.max_tokens_per_micro, t.model, run.device, cpu=0,
+                               checkpointing=m.gradient_checkpointing) if cfg.packing else 0
     save = frame.saver(run, t, tok)
     tracker = frame.tracker(run, t, desc=desc, bar_keys=("train/loss", "train/lr", "perf/tokens_per_s", "perf/mfu",
                                                         "eval/loss"), first=data_metrics)
@@ -188,7 +212,8 @@ def train(cfg: Config, *, desc: str = "sft") -> RunResult:
         # ---- this rank's share of the step's global batch, cut into micro-batches
         mine = [train_set[i] for i in shard(t.sampler.next(), run.rank, run.world)]
         loss_sum = accumulate_gradients(t.model, mine, micro_batch_size=cfg.micro_batch_size, packing=cfg.packing,
-                                        loss_agg=cfg.loss_agg, pad_id=tok.pad_token_id, device=run.device)
+                                        loss_agg=cfg.loss_agg, pad_id=tok.pad_token_id, device=run.device,
+                                        max_length=cfg.data.max_length, max_tokens=max_tokens)
         # each cp rank's loss covers its chunks' tokens: the step's loss sums over dp and cp
         metrics = {"train/loss": distributed.all_reduce_sum(loss_sum, group="dp_cp").item(),
                    **frame.optimizer_step(t, o.max_grad_norm)}

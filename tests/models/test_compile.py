@@ -88,14 +88,9 @@ def test_padded_rows_no_graph_break():
     assert graph_breaks(model, lambda m: m(input_ids=padded(9)["input_ids"], use_cache=False)) == []
 
 
-# The packed and continuation rows reach the layers through relign's varlen attention, which today
-# reads the sequence bounds on the host (position_ids.diff().any(), .tolist()) inside every layer:
-# each read is a graph break. Issue 45's first item (varlen with no host syncs) removes them; then
-# these two pass and the marks go (strict: an unexpected pass fails, so it is seen).
-NEEDS_SYNC_FREE_VARLEN = pytest.mark.xfail(strict=True, reason="varlen attention reads bounds on the host (issue 45 item 1)")
-
-
-@NEEDS_SYNC_FREE_VARLEN
+# The packed and continuation rows reach the layers through relign's varlen attention with the
+# collator's layout (issue 45 item 1): no host read inside a layer, so no graph break (on the CPU,
+# inside a compiled layer, the dense reference kernel; on CUDA torch's varlen_attn).
 def test_packed_rows_no_graph_break(tokenizer):
     from relign.data.sft import SFTExample
 
@@ -110,7 +105,6 @@ def test_packed_rows_no_graph_break(tokenizer):
     assert graph_breaks(model, lambda m: sft._forward(m, mb)) == []
 
 
-@NEEDS_SYNC_FREE_VARLEN
 def test_continuation_rows_no_graph_break():
     model = tiny()
     assert varlen.enable(model)

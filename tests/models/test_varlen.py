@@ -234,3 +234,138 @@ def test_choose_the_layout_a_run_can_use():
     assert varlen.choose([flash], "flash_attention_2", packing=True, share=True) == (True, False)  # whole rows
     with pytest.warns(UserWarning, match="dense block-diagonal mask"):
         assert varlen.choose([eager], "eager", packing=True, share=True) == (True, False)
+
+
+# --------------------------------------------------------------------------- the collator's layout
+
+
+def test_pack_rows_by_hand():
+    """Rows of 5, 8 and 6 tokens; the second and third continue the first's first 4 tokens (packed
+    from column 4): 5 + 4 + 2 tokens, keys 5, 4 + 4 and 4 + 2, gathered from the packed row."""
+    from relign.data.collate import pack_rows
+
+    row, col, p = pack_rows([5, 8, 6], [0, 4, 4])
+    assert row.tolist() == [0] * 5 + [1] * 4 + [2] * 2
+    assert col.tolist() == [0, 1, 2, 3, 4, 4, 5, 6, 7, 4, 5]
+    assert p.cu_seq_lens_q.dtype == p.cu_seq_lens_k.dtype == torch.int32
+    assert p.cu_seq_lens_q.tolist() == [0, 5, 9, 11] and p.cu_seq_lens_k.tolist() == [0, 5, 13, 19]
+    assert p.kv_index.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 5, 6, 7, 8, 0, 1, 2, 3, 9, 10]
+    assert (p.max_length_q, p.max_length_k) == (5, 8)
+    row, col, p = pack_rows([3, 2], max_length=64)  # whole rows: the keys are the row; the constant bound
+    assert col.tolist() == [0, 1, 2, 0, 1] and p.kv_index is None and p.cu_seq_lens_k is p.cu_seq_lens_q
+    assert (p.max_length_q, p.max_length_k) == (64, 64)
+    with pytest.raises(ValueError, match="no earlier row"):
+        pack_rows([5, 8], [0, 6])  # 6 prefix tokens of a 5-token root
+
+
+def _layouts():
+    """(name, full rows, packed ids [1, S], lens, starts, kept [S] slices of each row): packed whole
+    rows; a group's responses continuing its prompt (shared prompts); DPO pairs, each rejected
+    response continuing its chosen row's prompt."""
+    g = torch.Generator().manual_seed(7)
+    tok = lambda n: torch.randint(1, 200, (n,), generator=g)  # noqa: E731
+    out = [("packed", [tok(n) for n in LENS], [0] * len(LENS))]
+    prompt = tok(7)
+    out.append(("continuations", [torch.cat([prompt, tok(n)]) for n in (5, 9, 5, 3, 9)], [0, 6, 6, 6, 6]))
+    pairs, starts = [], []
+    for p, c, r in [(5, 9, 3), (1, 4, 12), (11, 1, 6)]:
+        pr = tok(p)
+        pairs += [torch.cat([pr, tok(c)]), torch.cat([pr, tok(r)])]
+        starts += [0, p - 1]
+    out.append(("pairs", pairs, starts))
+    return out
+
+
+@pytest.mark.parametrize("kernel", ["cpu twin", "cuda path"])
+@pytest.mark.parametrize("layout", ["packed", "continuations", "pairs"])
+def test_layout_path_equals_position_ids_path_and_each_row_alone(monkeypatch, layout, kernel):
+    """The collator's layout (``forward_kwargs``) gives the logits and gradients of today's
+    position-id path and of each row run alone, fp32 within 1e-5: on the CPU twin (SDPA by
+    sequence) and on the CUDA path's code (one gathered call per layer, the flash kernel replaced
+    by the dense masked reference)."""
+    from relign.data.collate import pack_rows
+
+    if kernel == "cuda path":
+        monkeypatch.setattr(varlen, "CPU_KERNEL", varlen.reference_varlen_attn)
+    _, rows, starts = next(x for x in _layouts() if x[0] == layout)
+    model = _model("qwen2")
+    today, alone = copy.deepcopy(model), copy.deepcopy(model)
+    varlen.enable(model)
+    varlen.enable(today)
+    row, col, packing = pack_rows([len(r) for r in rows], starts, max_length=64)
+    ids, pos = torch.cat([r[s:] for r, s in zip(rows, starts)])[None], col[None]
+    w = torch.randn(ids.shape[1], 200, generator=torch.Generator().manual_seed(8))
+
+    got = model(input_ids=ids, position_ids=pos, use_cache=False, **varlen.forward_kwargs(model, packing)).logits[0]
+    (got * w).sum().backward()
+    old = today(input_ids=ids, position_ids=pos, use_cache=False).logits[0]  # position ids only: today's path
+    (old * w).sum().backward()
+    want = torch.cat([alone(input_ids=r[None], use_cache=False).logits[0][s:] for r, s in zip(rows, starts)])
+    (want * w).sum().backward()
+
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, old, atol=1e-5, rtol=0)
+    for (name, p), q, o in zip(model.named_parameters(), alone.parameters(), today.parameters(), strict=True):
+        tol = 2e-6 * q.grad.abs().max().item()  # fp32 sums in another order
+        torch.testing.assert_close(p.grad, q.grad, atol=tol, rtol=0, msg=name)
+        torch.testing.assert_close(p.grad, o.grad, atol=tol, rtol=0, msg=name)
+
+
+class _HostRead(RuntimeError):
+    pass
+
+
+def _no_host_reads(monkeypatch):
+    """Every way a tensor's value reaches Python raises."""
+    def boom(*_, **__):
+        raise _HostRead("a tensor's value was read on the host")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+
+
+@pytest.mark.parametrize("layout", ["packed", "continuations", "pairs"])
+def test_cuda_path_reads_nothing_from_the_host(monkeypatch, layout):
+    """The CUDA path's forward (the flash kernel replaced by the dense reference, which reads
+    the cumulative lengths on the device only) with ``item``, ``tolist``, ``__bool__`` ... raising:
+    it runs, and the position-id path under the same guard does not."""
+    from relign.data.collate import pack_rows
+
+    monkeypatch.setattr(varlen, "CPU_KERNEL", varlen.reference_varlen_attn)
+    _, rows, starts = next(x for x in _layouts() if x[0] == layout)
+    model = _model("llama")
+    varlen.enable(model)
+    _, col, packing = pack_rows([len(r) for r in rows], starts, max_length=64)
+    ids, pos = torch.cat([r[s:] for r, s in zip(rows, starts)])[None], col[None]
+    kw = varlen.forward_kwargs(model, packing)
+    keep = torch.arange(3, ids.shape[1] - 1)  # the LM head at an index tensor too (token_logps)
+    with monkeypatch.context() as m:
+        _no_host_reads(m)
+        out = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, **kw).logits
+        with pytest.raises(_HostRead):
+            model(input_ids=ids, position_ids=pos, use_cache=False)
+    assert out.shape == (1, ids.shape[1] - 4, 200) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("layout", ["packed", "continuations"])
+def test_a_decoder_layer_compiles_to_one_graph_on_packed_rows(monkeypatch, layout):
+    """``torch.compile(layer, backend="eager", fullgraph=True)`` traces a decoder layer on the
+    collator's layout through the CUDA path's code in one graph (no graph break: no host read,
+    no data-dependent shape), with the eager layer's outputs."""
+    from relign.data.collate import pack_rows
+
+    monkeypatch.setattr(varlen, "CPU_KERNEL", varlen.reference_varlen_attn)
+    _, rows, starts = next(x for x in _layouts() if x[0] == layout)
+    model = _model("qwen2")
+    varlen.enable(model)
+    _, col, packing = pack_rows([len(r) for r in rows], starts, max_length=64)
+    ids, pos = torch.cat([r[s:] for r, s in zip(rows, starts)])[None], col[None]
+    h = model.model.embed_tokens(ids)
+    kw = dict(position_embeddings=model.model.rotary_emb(h, pos), position_ids=pos, **varlen.forward_kwargs(model, packing))
+    layer = model.model.layers[0]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(layer, backend="eager", fullgraph=True)(h, **kw)
+        want = layer(h, **kw)
+    got, want = (x[0] if isinstance(x, tuple) else x for x in (got, want))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

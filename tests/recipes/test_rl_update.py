@@ -161,6 +161,28 @@ def test_layouts_give_the_same_logps_and_entropy(proto, batch):
         assert (lp[m == 0] == 0).all() and (ent[m == 0] == 0).all(), name
 
 
+def test_the_cuda_paths_code_gives_the_padded_update(proto, batch, monkeypatch):
+    """The update in the packed layouts through the CUDA path's code (one gathered varlen call
+    per layer, the flash kernel replaced by the dense reference): whole rows and each prompt once
+    give the padded update's loss and gradients, and the forward reads no tensor on the host."""
+    monkeypatch.setattr(varlen, "CPU_KERNEL", varlen.reference_varlen_attn)
+    adv, old, loss_fn = _advantages(batch), _old_logps(proto, batch), ActorLoss(clip_low=0.2, clip_high=0.2)
+    padded = _update(proto, batch, Layout("padded"), loss_fn, advantages=adv, old_logps=old)
+    reads = []
+    real = varlen.attend
+
+    def guarded(*a, **kw):  # the attention with every host read of a tensor recorded
+        with monkeypatch.context() as m:
+            for name in ("item", "tolist", "__bool__"):
+                m.setattr(torch.Tensor, name, lambda *_, name=name: reads.append(name))
+            return real(*a, **kw)
+
+    monkeypatch.setattr(varlen, "attend", guarded)
+    for layout in (Layout("packed", max_tokens=60, max_length=64), PACKED_SHARED):
+        _assert_same(_update(proto, batch, layout, loss_fn, by_sequence=True, advantages=adv, old_logps=old), padded)
+    assert reads == []
+
+
 def test_logps_are_the_hand_computed_ones(proto, batch):
     """One row, naively: log_softmax of the full forward, token t scored by position t - 1."""
     row = ENV_ROW

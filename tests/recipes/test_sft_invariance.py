@@ -93,3 +93,49 @@ def test_loss_is_the_hand_written_nll(tiny_model_dir, tokenizer):
                     nll -= logp[t - 1, e.input_ids[t]].item()
                     n += 1
     assert loss.item() == pytest.approx(nll / n, abs=1e-5)
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_token_budget_micro_batches_change_nothing(tiny_model_dir, tokenizer, loss_agg):
+    """Packed passes cut by a token budget (max_tokens_per_micro) instead of micro_batch_size: a
+    budget below the shortest example (each alone), one that pairs some, and one above the whole
+    step all give the padded step's loss and gradients."""
+    ex = _examples(tokenizer)
+    padded = _grads(tiny_model_dir, ex, micro_batch_size=4, packing=False, loss_agg=loss_agg)
+    total = sum(len(e) for e in ex)
+    for budget in (1, total // 2, 32768):
+        packed = _grads(tiny_model_dir, ex, micro_batch_size=1, packing=True, loss_agg=loss_agg, by_sequence=True,
+                        max_tokens=budget)
+        _assert_same(packed, padded)
+
+
+def test_token_budget_sizes_the_passes(tiny_model_dir, tokenizer, monkeypatch):
+    """The passes a budget makes: the step's tokens in ceil(total / budget) or more balanced
+    passes, none over the budget unless one example alone is."""
+    from relign.recipes import sft
+
+    ex = _examples(tokenizer)
+    seen = []
+    real = sft._collate
+    monkeypatch.setattr(sft, "_collate", lambda group, *a: seen.append([len(e) for e in group]) or real(group, *a))
+    _grads(tiny_model_dir, ex, micro_batch_size=1, packing=True, loss_agg="token-mean", by_sequence=True, max_tokens=32768)
+    assert [sorted(part) for part in seen] == [sorted(len(e) for e in ex)]  # the whole step in one pass
+    longest = max(len(e) for e in ex)
+    seen.clear()
+    _grads(tiny_model_dir, ex, micro_batch_size=1, packing=True, loss_agg="token-mean", by_sequence=True, max_tokens=longest)
+    assert sorted(n for part in seen for n in part) == sorted(len(e) for e in ex)
+    assert all(sum(part) <= longest for part in seen) and len(seen) < len(ex)
+
+
+def test_a_ranks_filler_passes_add_nothing(tiny_model_dir, tokenizer, monkeypatch):
+    """A rank with fewer token-budget passes than another runs filler passes (FSDP needs every
+    rank's forwards): two of them change neither the loss nor the gradients."""
+    from relign.recipes import sft
+
+    ex = _examples(tokenizer)
+    alone = _grads(tiny_model_dir, ex, micro_batch_size=1, packing=True, loss_agg="token-mean", by_sequence=True,
+                   max_tokens=32768)
+    monkeypatch.setattr(sft.distributed, "lockstep", lambda parts, filler: [(p, True) for p in parts] + [(filler, False)] * 2)
+    padded = _grads(tiny_model_dir, ex, micro_batch_size=1, packing=True, loss_agg="token-mean", by_sequence=True,
+                    max_tokens=32768)
+    _assert_same(padded, alone)
