@@ -499,7 +499,8 @@ class Fit:
     key: str
     value: int
     """0: not even 1 fits."""
-    now: int
+    now: int | None
+    """The config's value (None: by device; 0: the key's off / no-limit value)."""
     whole: str = ""
     """What ``value`` is when it is the search's top (e.g. "the rank's whole batch"); "" when the search stops there."""
     top: bool = False
@@ -507,14 +508,18 @@ class Fit:
     stages: tuple[str, ...] = ()
     """The stages the key sizes (whose fit decided ``value``)."""
 
+    @property
+    def now_text(self) -> str:
+        return "now by device" if self.now is None else f"now {self.now:,}"
+
     def __str__(self) -> str:
         if not self.value:
             return f"{self.key}: no value fits, not even 1"
         if self.top and self.whole:
-            return f"{self.key}: any value fits ({self.value:,} is {self.whole}; now {self.now:,}{' = no limit' if not self.now else ''})"
+            return f"{self.key}: any value fits ({self.value:,} is {self.whole}; {self.now_text})"
         if self.top:
-            return f"{self.key}: {self.value:,} or more (now {self.now:,})"
-        return f"{self.key}: up to {self.value:,} (now {self.now:,}{' = no limit' if not self.now else ''})"
+            return f"{self.key}: {self.value:,} or more ({self.now_text})"
+        return f"{self.key}: up to {self.value:,} ({self.now_text})"
 
 
 @dataclass
@@ -616,7 +621,7 @@ def change(plan: Plan) -> str:
     states = sum(v for k, v in peak.terms.items() if k in STATES) * plan.ranks
     if found:
         f = found[0]
-        return f"lower {f.key} to {f.value:,} or less (now {f'{f.now:,}' if f.now else 'no limit'})"
+        return f"lower {f.key} to {f.value:,} or less ({f.now_text})"
     if states > dev.available:
         return (f"its weights, gradients and AdamW state alone take {gib(states)}: train fewer weights "
                 "(model.lora.enabled=true) or shard them over more GPUs (torchrun: FSDP)")

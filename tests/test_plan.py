@@ -288,7 +288,9 @@ def qwen05(tmp_path_factory) -> Path:
 
 def test_a_run_over_the_device_stops_in_one_line_before_any_weights_load(qwen05, tiny_model_dir, tmp_path):
     run = tmp_path / "run"
-    args = ["sft", "sft_tiny", f"model.path={qwen05}", "data.max_length=2048", "micro_batch_size=16", f"run_dir={run}"]
+    # max_tokens_per_micro=0: micro_batch_size rows a pass (null would take the GPU's by-device token budget)
+    args = ["sft", "sft_tiny", f"model.path={qwen05}", "data.max_length=2048", "micro_batch_size=16", "max_tokens_per_micro=0",
+            f"run_dir={run}"]
     proc = run_cli(*args, "plan.device=rtx4090", check=False)
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
@@ -315,13 +317,14 @@ def test_relign_plan_prints_the_worked_example_of_the_docs(qwen05):
     block = docs.split("```text\n", 1)[1].split("```", 1)[0]
     ours = out.replace(str(qwen05), "Qwen/Qwen2.5-0.5B-Instruct")
     assert ours == block
-    # by hand: 494,032,768 weights x 4 B = 1.84 GiB; AdamW 3.68 GiB; the update's logits at 8 x 512 positions in one
-    # chunk, the logged entropy's forward (the bf16 logits 2, their saved fp32 upcast 4, the entropy's fp32 upcast,
-    # softmax and logsumexp temporary 4 each) 18 x 4,096 x 151,936 B = 10.43 GiB; the KV cache of 128 rows x 1,024 columns x 24 layers x 2 x 2 heads x 64 x 2 B = 1.50 GiB
+    # by hand: 494,032,768 weights x 4 B = 1.84 GiB; AdamW 3.68 GiB; the update's logits at 4 groups x 8 x 512 =
+    # 16,384 positions in 4 chunks of 4,096, the logged entropy's forward (the bf16 logits 2 K, their saved fp32
+    # upcasts 4 K, a chunk's entropy upcast, softmax and logsumexp temporary 4 c each) (6 x 16,384 + 12 x 4,096) x
+    # 151,936 B = 20.87 GiB; the KV cache of 128 rows x 1,024 columns x 24 layers x 2 x 2 heads x 64 x 2 B = 1.50 GiB
     rows = {line[:20].strip(): line[20:].split() for line in out.splitlines()[5:20]}
     assert rows["weights"] == ["1.84"] * 4 and rows["AdamW state"] == ["3.68"] * 4
-    assert rows["logits"] == ["-", "-", "10.43", "-"] and rows["engine KV cache"] == ["1.50", "-", "-", "-"]
-    assert out.count("peak: 24.3 GiB in update") == 1
+    assert rows["logits"] == ["-", "-", "20.87", "-"] and rows["engine KV cache"] == ["1.50", "-", "-", "-"]
+    assert out.count("peak: 47.7 GiB in update") == 1
     proc = run_cli(*args[:-1], "rtx4090", "prompts_per_step=64", "max_tokens_per_micro=65536", check=False)
     assert proc.returncode == 1 and "does not fit: lower micro_batch_size to " in proc.stdout
 

@@ -26,6 +26,7 @@ from .. import plan as P
 from ..checks import get_key
 from ..config import ConfigError
 from ..data.balance import micro_batch_plan
+from ..models import budget
 from ..models.flops import ModelFlops
 from ..models.loading import check_model_source, compile_enabled, from_pretrained_checked, resolve_model_path
 from ..models.varlen import SUPPORTED
@@ -138,6 +139,22 @@ def _seconds(flops: float, device: P.Device) -> float | None:
     return flops / (device.tflops * 1e12) if device.tflops else None
 
 
+def token_budget(setting: int | None, model: Model, device: P.Device, *, cpu: int, held: int = 0) -> int:
+    """``max_tokens_per_micro`` as the run will take it (``models/budget.device_tokens``): the setting
+    when given; null: ``cpu`` on a CPU, on a GPU ``budget.CUDA_TOKENS`` or what 60% of the memory free
+    once the weights are in (the device's available less ``held`` bytes), less the optimizer state to
+    come, holds at ``budget.bytes_per_token``, in steps of 1,024 and at least ``budget.MIN_TOKENS``."""
+    if setting is not None:
+        return setting
+    if _type(device) == "cpu":
+        return cpu
+    from types import SimpleNamespace
+
+    per = budget.bytes_per_token(SimpleNamespace(config=model.s.config()), checkpointing=model.ckpt)
+    fit = int(0.6 * max(device.available - held - 12 * model.trainable, 0) / per)
+    return max(budget.MIN_TOKENS, min(budget.CUDA_TOKENS, fit // 1024 * 1024))
+
+
 def _causal(n: int) -> float:
     return n * (n + 1) / 2
 
@@ -174,27 +191,37 @@ def plan_sft(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1, *, reci
     dp, cp, tp = _ranks(cfg, world)
     model = Model(cfg.model, shape, tp=tp, dp=dp * cp, device=_type(device))
     Lmax = cfg.data.max_length
-    rows = cfg.micro_batch_size * (2 if recipe == "rm" else 1)
-    tokens = rows * Lmax // cp
     lm = recipe == "sft"
+    # packed SFT cuts a rank's rows into balanced passes of at most max_tokens_per_micro tokens when it has a budget
+    # (null: by device, none on a CPU); else micro_batch_size rows a pass
+    max_tokens = token_budget(getattr(cfg, "max_tokens_per_micro", 0), model, device, cpu=0, held=model.weights) \
+        if lm and cfg.packing else 0
+    rank_rows = max(1, cfg.batch_size // dp)
+    if max_tokens:
+        parts = micro_batch_plan([Lmax] * rank_rows, max_tokens=max_tokens)[0]
+        rows, passes = max(len(part) for part in parts), len(parts)
+    else:
+        rows, passes = cfg.micro_batch_size * (2 if recipe == "rm" else 1), rank_rows // cfg.micro_batch_size
+    tokens = rows * Lmax // cp
     positions = rows * (Lmax - 1) // cp if lm else 0
     packed = recipe == "sft" and cfg.packing and model.packed_attention
-    accum = cfg.batch_size // dp // cfg.micro_batch_size > 1
+    accum = passes > 1
     rope = tokens if recipe == "sft" and cfg.packing else Lmax
     per_step = cfg.batch_size * (2 if recipe == "rm" else 1) // dp
     step_flops = 3 * model.flops(per_step * Lmax, per_step * (Lmax - 1) if lm else 0, per_step * _causal(Lmax))
     train = P.Stage("train", model.train_pass(tokens, positions, packed=packed, rope=rope, accum=accum, head=lm),
-                    key="micro_batch_size", seconds=_seconds(step_flops, device))
+                    key="max_tokens_per_micro" if max_tokens else "micro_batch_size", seconds=_seconds(step_flops, device))
     stages = [train, P.Stage("optimizer", model.optimizer_step(), key="optim")]
     if _eval_rows(cfg):
         ev = cfg.eval_batch_size * (2 if recipe == "rm" else 1)
         stages.append(P.Stage("eval", {**model.states(grads=False),
                                        "forward (no grad)": model.nograd_pass(ev * Lmax, ev * (Lmax - 1) if lm else 0)},
                               key="eval_batch_size"))
+    budget_text = f"; budget {max_tokens:,}{' by device' if cfg.max_tokens_per_micro is None else ''}" if max_tokens else ""
     facts = _facts(cfg, model, world) + [
         f"largest micro-batch: {rows} rows x {Lmax} tokens = {tokens:,} tokens "
-        f"({'packed' if recipe == 'sft' and cfg.packing else 'padded'}), logits at {positions:,} positions"
-        + (f"; {cfg.batch_size // dp // cfg.micro_batch_size} micro-batches per step" if accum else "")]
+        f"({'packed' if recipe == 'sft' and cfg.packing else 'padded'}{budget_text}), logits at {positions:,} positions"
+        + (f"; {passes} micro-batches per step" if accum else "")]
     return P.Plan(recipe, device, stages, facts)
 
 
@@ -297,9 +324,10 @@ def plan_rl(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pla
     else:
         size = Pl + n * R  # the prompt once against its KV cache, the responses padded
     items = cfg.prompts_per_step * (1 if G > 1 else n)
-    whole = Micro(items, size, G, dp=dp, max_tokens=cfg.max_tokens_per_micro, max_rows=cfg.micro_batch_size)
-    mini = Micro(max(1, items // a.mini_batches), size, G, dp=dp, max_tokens=cfg.max_tokens_per_micro,
-                 max_rows=cfg.micro_batch_size)
+    held = model.weights * (2 if a.kl != "none" and not m.lora.enabled else 1)  # in memory when the budget is taken
+    max_tokens = token_budget(cfg.max_tokens_per_micro, model, device, cpu=budget.CPU_TOKENS, held=held)
+    whole = Micro(items, size, G, dp=dp, max_tokens=max_tokens, max_rows=cfg.micro_batch_size)
+    mini = Micro(max(1, items // a.mini_batches), size, G, dp=dp, max_tokens=max_tokens, max_rows=cfg.micro_batch_size)
     positions = mini.seqs * R // cp  # context parallel: each cp rank runs its chunk of the row
     kl = a.kl != "none"
     estimator_values = a.advantage == "gae"
@@ -371,7 +399,8 @@ def plan_rl(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pla
     facts = _facts(cfg, model, world) + [
         f"rollout: {cfg.prompts_per_step} prompts x {n} samples, {rows} rows per engine call "
         f"({ro.engine}), prompts up to {Pl} tokens, responses up to {R}",
-        f"largest update micro-batch: {mini.tokens:,} tokens ({mini.seqs} sequences, {layout}), logits at "
+        f"largest update micro-batch: {mini.tokens:,} tokens ({mini.seqs} sequences, {layout}; budget "
+        f"{f'{max_tokens:,}' if max_tokens else 'none'}{' by device' if cfg.max_tokens_per_micro is None else ''}), logits at "
         f"{positions:,} positions; {mini.passes} pass{'es' if mini.passes > 1 else ''} per update, {updates} update{'s' if updates > 1 else ''} per step"]
     return P.Plan("rl", device, stages, facts)
 
@@ -434,8 +463,14 @@ class Search:
     whole: str = ""
 
 
+def _sft_tokens(cfg: Any, world: int) -> int:
+    """The tokens of a rank's whole batch of packed SFT rows at data.max_length."""
+    return _per_rank(cfg, world) * cfg.data.max_length
+
+
 SEARCH: dict[str, list[Search]] = {
     "sft": [Search("micro_batch_size", ("train",), _per_rank, "the rank's whole batch"),
+            Search("max_tokens_per_micro", ("train",), _sft_tokens, "the rank's whole batch in one pass"),
             Search("eval_batch_size", ("eval",), lambda c, w: 4096)],
     "dpo": [Search("micro_batch_size", ("train",), _per_rank, "the rank's whole batch"),
             Search("eval_batch_size", ("reference", "eval"), lambda c, w: 4096)],
@@ -444,7 +479,18 @@ SEARCH: dict[str, list[Search]] = {
            Search("rollout.max_batch_rows", ("rollout",), lambda c, w: max(1, c.prompts_per_step // w) * c.rollout.n,
                   "a rank's whole rollout in one call")],
 }
-SEARCH["rm"] = SEARCH["sft"]
+SEARCH["rm"] = [sr for sr in SEARCH["sft"] if sr.key != "max_tokens_per_micro"]
+
+
+def _searched(cfg: Any, recipe: str, key: str, plan: P.Plan) -> bool:
+    """Whether the plan's stages depend on ``key``: SFT's token budget only for packed rows, and then
+    micro_batch_size not when a budget cuts the passes."""
+    if recipe != "sft":
+        return True
+    budgeted = any(st.key == "max_tokens_per_micro" for st in plan.stages)
+    if key == "max_tokens_per_micro":
+        return cfg.packing
+    return not (key == "micro_batch_size" and budgeted)
 
 
 def _set_key(cfg: Any, key: str, value: Any) -> Any:
@@ -469,7 +515,7 @@ def plan_for(cfg: Any, recipe: str, device: P.Device, *, world: int = 1, shape: 
         return out
     for sr in SEARCH[recipe]:
         stages = {st.name for st in out.stages} & set(sr.stages)
-        if not stages:
+        if not stages or not _searched(cfg, recipe, sr.key, out):
             continue
         top = sr.top(cfg, world)
 
