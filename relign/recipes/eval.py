@@ -222,7 +222,7 @@ def train(cfg: Config) -> RunResult:
     return frame.close(run, metrics=metrics, keys=keys, steps=0, resumable=False)
 
 
-CALIB_KEYS = ("calib/ece", "calib/brier", "calib/accuracy")
+CALIB_KEYS = ("calib/ece", "calib/brier", "calib/accuracy", "calib/no_answer_frac")
 
 
 def _reader_for(cfg: Config) -> ReaderScorer:
@@ -237,8 +237,10 @@ def _reader_for(cfg: Config) -> ReaderScorer:
 
 
 def calibration_metrics(reader: ReaderScorer, rows: list[dict]) -> dict[str, float]:
-    """calib/ece, calib/brier, calib/accuracy of the reader's top answer over every sample, and
-    each row's ``reader`` (confidence, correct) and ``reader_forecast`` of the gold answer."""
+    """calib/ece, calib/brier, calib/accuracy of the reader's top answer over every sample, the
+    fraction with no answer (``calib/no_answer_frac``: scored as confidence 1 and wrong, the
+    reference's worst case), and each row's ``reader`` (confidence, correct, no_answer, forecast
+    of the gold answer)."""
     try:
         details = reader.score_detailed([r["question"] for r in rows], [r["response"] for r in rows],
                                         extra_infos=[r["extra_info"] for r in rows])
@@ -246,10 +248,12 @@ def calibration_metrics(reader: ReaderScorer, rows: list[dict]) -> dict[str, flo
         raise ConfigError(f"scorer=reader: {e}") from None
     conf = [min(max(d["lc_confidence"], 0.0), 1.0) for d in details]
     correct = [d["lc_correct"] for d in details]
-    for r, d, c in zip(rows, details, conf):
-        r["reader"] = {"confidence": c, "correct": d["lc_correct"], "forecast": d["lc_forecast"]}
-    return {"calib/ece": ece(conf, correct), "calib/brier": brier(conf, correct),
-            "calib/accuracy": sum(correct) / max(len(correct), 1)}
+    no_answer = [bool(d["lc_no_answer"]) for d in details]
+    for r, d, c, na in zip(rows, details, conf, no_answer):
+        r["reader"] = {"confidence": c, "correct": d["lc_correct"], "no_answer": na, "forecast": d["lc_forecast"]}
+    n = max(len(correct), 1)
+    return {"calib/ece": ece(conf, correct), "calib/brier": brier(conf, correct), "calib/accuracy": sum(correct) / n,
+            "calib/no_answer_frac": sum(no_answer) / n}
 
 
 def _sample_eval(cfg: Config, ks: list[int], task: Task, tok, engine, records: list[dict], run_dir: Path,
