@@ -38,7 +38,7 @@ from ..envs.tasks import build_task, encode_problems
 from ..evaluate import evaluate, format_summary, search_eval, sweep_markdown, write_samples
 from ..models.loading import load_model_tokenizer
 from ..models.reader import Forecaster, LMReader, ReaderScorer
-from ..report.charts import reliability_file_svg
+from ..report.reliability import reliability_svg
 from ..report.sweep import write_sweep_svg
 from ..rollout.engine import ENGINES
 from ..rollout.vllm_engine import check_vllm
@@ -273,9 +273,9 @@ def _sample_eval(cfg: Config, ks: list[int], task: Task, tok, engine, records: l
     if reader is not None:
         summary.update(calibration_metrics(reader, rows))
         graded = [r["reader"] for r in rows]
-        atomic_write_text(run_dir / "reliability.svg", reliability_file_svg(
-            [g["confidence"] for g in graded], [g["correct"] for g in graded],
-            title=f"ECE {summary['calib/ece']:.3f}, {len(graded)} samples"))
+        atomic_write_text(run_dir / "reliability.svg", reliability_svg(
+            [g["confidence"] for g in graded], [g["correct"] for g in graded], [g["no_answer"] for g in graded],
+            standalone=True))
     seconds = time.perf_counter() - t0
     notes = []
     if task.extract_spec is None:
