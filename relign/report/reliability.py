@@ -90,7 +90,8 @@ def reliability_svg(conf: Sequence[float], correct: Sequence[float], no_answer: 
         data = (f'data-lo="{b.lo:.2f}" data-hi="{b.hi:.2f}" data-count="{b.count}" data-accuracy="{b.accuracy!r}" '
                 f'data-confidence="{b.confidence!r}"')
         out.append(f'<rect class="rd-bar" x="{px(b.lo) + 1:.1f}" y="{py(b.accuracy):.1f}" width="{slot - 2:.1f}" '
-                   f'height="{PH * b.accuracy:.1f}" fill="{ACC}" fill-opacity="0.55" {data}><title>{html.escape(tip)}</title></rect>')
+                   f'height="{PH * b.accuracy:.1f}" fill="{ACC}" fill-opacity="0.55" {data}>'
+                   f"<title>{html.escape(tip)}</title></rect>")
     out.append(f'<line class="rd-diagonal" x1="{px(0)}" y1="{py(0)}" x2="{px(1)}" y2="{py(1)}" stroke="{INK}" '
                'stroke-width="1" stroke-dasharray="4 3"/>')
     for b in kept:
