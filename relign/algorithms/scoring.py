@@ -21,6 +21,12 @@ Evaluation measures calibration of a confidence c_i against correctness o_i in {
     ECE   = sum_b (n_b / N) |acc_b - conf_b|     equal-width bins [k/B, (k+1)/B), the last closed
     Brier = (1/N) sum_i (c_i - o_i)^2
 
+where (c_i, o_i) is the reader's top answer: its forecast and whether it is the gold one, and a
+paragraph the reader extracts no answer from counts as (1, 0), confident and wrong (``top_answer``:
+the worst case for both accuracy and ECE, as the reference's ``process_eval_results.py`` scores an
+empty extraction). Read as (0, 0), an abstention would be a perfectly calibrated point, and
+abstaining would lower ECE and Brier.
+
 Pure functions of floats: no torch, no config.
 """
 
@@ -82,6 +88,22 @@ def lc_reward(forecast_true: float, forecasts_extracted: Sequence[float], *, tru
             "lc_unfinished": 0.0}
 
 
+NO_ANSWER_POINT = (1.0, 0.0)
+"""(confidence, correct) of a paragraph with no extracted answer: the reference's worst case."""
+
+
+def top_answer(forecasts: Sequence[float], correct: Sequence[bool]) -> tuple[float, float, bool]:
+    """(confidence, correct, answered) of a reader's top answer: the largest forecast among the
+    extracted answers (the first on a tie), clipped to [0, 1], and whether that answer is right.
+    No extracted answer gives ``NO_ANSWER_POINT`` and answered = False."""
+    if len(forecasts) != len(correct):
+        raise ValueError(f"{len(forecasts)} forecasts but {len(correct)} correctness flags")
+    if not forecasts:
+        return (*NO_ANSWER_POINT, False)
+    top = max(range(len(forecasts)), key=lambda j: forecasts[j])
+    return min(max(float(forecasts[top]), 0.0), 1.0), float(bool(correct[top])), True
+
+
 @dataclass(frozen=True)
 class Bin:
     """One bin of a reliability diagram: confidences in [lo, hi), how many, their mean, the accuracy."""
@@ -130,5 +152,5 @@ def brier(conf: Sequence[float], correct: Sequence[float]) -> float:
     return sum((float(c) - float(o)) ** 2 for c, o in zip(conf, correct)) / len(conf)
 
 
-__all__ = ["RULES", "Bin", "brier", "brier_score", "ece", "lc_reward", "log_score", "normalization_penalty",
-           "reliability_bins"]
+__all__ = ["NO_ANSWER_POINT", "RULES", "Bin", "brier", "brier_score", "ece", "lc_reward", "log_score",
+           "normalization_penalty", "reliability_bins", "top_answer"]

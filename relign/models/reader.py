@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..algorithms.scoring import RULES, lc_reward
+from ..algorithms.scoring import RULES, lc_reward, top_answer
 from ..envs.reader_rules import NO_ANSWER, RuleReader, answers_match, normalize_answer
 from .reward import RewardModelScorer, scorer_kind
 
@@ -146,7 +146,9 @@ class ReaderScorer:
                        finished: list[bool] | None = None) -> list[dict[str, float]]:
         """Per response: ``reward`` and ``lc_<rule>``, ``lc_norm_penalty``, ``lc_forecast`` (of the
         gold answer), ``lc_unfinished``, ``lc_answers`` (extracted), ``lc_confidence`` (the top
-        extracted answer's forecast) and ``lc_correct`` (the top answer is the gold one)."""
+        extracted answer's forecast, clipped to [0, 1]), ``lc_correct`` (the top answer is the gold
+        one) and ``lc_no_answer``. A response with no extracted answer is confidence 1 and wrong
+        (``algorithms.scoring.top_answer``): abstaining must count against calibration, not for it."""
         n = len(responses)
         infos = extra_infos or [{}] * n
         finished = finished or [True] * n
@@ -167,9 +169,8 @@ class ReaderScorer:
             true_index = next((j for j, a in enumerate(ans) if answers_match(a, golds[i])), None)
             d = lc_reward(f[i], fs, true_index=true_index, rule=self.rule, eps=self.eps, lam=self.lam, offset=self.offset,
                           finished=finished[i], unfinished_reward=self.unfinished_reward)
-            top = max(range(len(ans)), key=lambda j: fs[j]) if ans else None
-            d.update(lc_answers=float(len(ans)), lc_confidence=float(fs[top]) if top is not None else 0.0,
-                     lc_correct=float(top is not None and answers_match(ans[top], golds[i])))
+            conf, correct, answered = top_answer(fs, [answers_match(a, golds[i]) for a in ans])
+            d.update(lc_answers=float(len(ans)), lc_confidence=conf, lc_correct=correct, lc_no_answer=float(not answered))
             out.append(d)
         return out
 

@@ -40,7 +40,7 @@ from ..envs.tasks import build_task, encode_problems
 from ..evaluate import evaluate, format_summary, search_eval, sweep_markdown, write_samples
 from ..models.loading import load_model_tokenizer
 from ..models.reader import Forecaster, LMReader, ReaderScorer
-from ..report.charts import reliability_file_svg
+from ..report.reliability import reliability_svg
 from ..report.sweep import write_sweep_svg
 from ..rollout.engine import ENGINES
 from ..rollout.vllm_engine import check_vllm
@@ -248,7 +248,7 @@ def _training_set(cfg: Config) -> tuple[int, int, str]:
     return cfg.seed, cfg.train_rows, f"seed {cfg.seed} ({why}; set train_seed and train_rows to the training run's)"
 
 
-CALIB_KEYS = ("calib/ece", "calib/brier", "calib/accuracy")
+CALIB_KEYS = ("calib/ece", "calib/brier", "calib/accuracy", "calib/no_answer_frac")
 
 
 def _reader_for(cfg: Config) -> ReaderScorer:
@@ -263,8 +263,10 @@ def _reader_for(cfg: Config) -> ReaderScorer:
 
 
 def calibration_metrics(reader: ReaderScorer, rows: list[dict]) -> dict[str, float]:
-    """calib/ece, calib/brier, calib/accuracy of the reader's top answer over every sample, and
-    each row's ``reader`` (confidence, correct) and ``reader_forecast`` of the gold answer."""
+    """calib/ece, calib/brier, calib/accuracy of the reader's top answer over every sample, the
+    fraction with no answer (``calib/no_answer_frac``: scored as confidence 1 and wrong, the
+    reference's worst case), and each row's ``reader`` (confidence, correct, no_answer, forecast
+    of the gold answer)."""
     try:
         details = reader.score_detailed([r["question"] for r in rows], [r["response"] for r in rows],
                                         extra_infos=[r["extra_info"] for r in rows])
@@ -272,10 +274,12 @@ def calibration_metrics(reader: ReaderScorer, rows: list[dict]) -> dict[str, flo
         raise ConfigError(f"scorer=reader: {e}") from None
     conf = [min(max(d["lc_confidence"], 0.0), 1.0) for d in details]
     correct = [d["lc_correct"] for d in details]
-    for r, d, c in zip(rows, details, conf):
-        r["reader"] = {"confidence": c, "correct": d["lc_correct"], "forecast": d["lc_forecast"]}
-    return {"calib/ece": ece(conf, correct), "calib/brier": brier(conf, correct),
-            "calib/accuracy": sum(correct) / max(len(correct), 1)}
+    no_answer = [bool(d["lc_no_answer"]) for d in details]
+    for r, d, c, na in zip(rows, details, conf, no_answer):
+        r["reader"] = {"confidence": c, "correct": d["lc_correct"], "no_answer": na, "forecast": d["lc_forecast"]}
+    n = max(len(correct), 1)
+    return {"calib/ece": ece(conf, correct), "calib/brier": brier(conf, correct), "calib/accuracy": sum(correct) / n,
+            "calib/no_answer_frac": sum(no_answer) / n}
 
 
 def _sample_eval(cfg: Config, ks: list[int], task: Task, tok, engine, records: list[dict], run_dir: Path,
@@ -295,9 +299,9 @@ def _sample_eval(cfg: Config, ks: list[int], task: Task, tok, engine, records: l
     if reader is not None:
         summary.update(calibration_metrics(reader, rows))
         graded = [r["reader"] for r in rows]
-        atomic_write_text(run_dir / "reliability.svg", reliability_file_svg(
-            [g["confidence"] for g in graded], [g["correct"] for g in graded],
-            title=f"ECE {summary['calib/ece']:.3f}, {len(graded)} samples"))
+        atomic_write_text(run_dir / "reliability.svg", reliability_svg(
+            [g["confidence"] for g in graded], [g["correct"] for g in graded], [g["no_answer"] for g in graded],
+            standalone=True))
     seconds = time.perf_counter() - t0
     notes = []
     if task.extract_spec is None:

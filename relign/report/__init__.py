@@ -13,6 +13,7 @@ The package, one part a file:
     metrics.py   the Metrics section: charts that vary, constant metrics in a table (1 run or several)
     traces.py    the rollout trace browser's data
     evalview.py  eval summary and per-problem sample grid
+    reliability.py  the reliability diagram of relign eval scorer=reader (SVG)
     demoview.py  the demo's page: reward, held-out accuracy and before/after charts first, then its table
     search.py    inference-time search section (sweep.py: accuracy vs budget; tree.py: search trees)
     page.py      one run's page; write_report, refresh_after_run

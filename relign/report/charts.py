@@ -14,7 +14,6 @@ import html
 import math
 from typing import Any, Callable, Iterable
 
-from ..algorithms.scoring import reliability_bins
 from .util import PALETTE, _is_num, fmt
 
 MAX_CHART_POINTS = 400  # longer series are averaged into this many buckets
@@ -290,28 +289,3 @@ def swatch(color: str, dash: str = "") -> str:
     dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
     return (f'<svg class="swatch" width="22" height="8" viewBox="0 0 22 8" aria-hidden="true">'
             f'<line x1="1" x2="21" y1="4" y2="4" stroke="{color}" stroke-width="2"{dash_attr}/></svg>')
-
-
-def reliability_svg(conf: list[float], correct: list[float], bins: int = 10, width: int = 480, height: int = 210) -> str:
-    """A reliability diagram: for each non-empty equal-width bin of stated confidence (labelled
-    with its range and count n), the bin's mean confidence beside its observed accuracy; a
-    calibrated reader's two bars are equal."""
-    kept = [b for b in reliability_bins(conf, correct, bins) if b.count]
-    labels = [f"{b.lo:.1f}-{b.hi:.1f} n={b.count}" for b in kept]
-    return bars_svg(labels, [("confidence", PALETTE[1], [b.confidence for b in kept]),
-                             ("accuracy", PALETTE[0], [b.accuracy for b in kept])], width=width, height=height)
-
-
-_STANDALONE_STYLE = ("<style>.grid{stroke:#eef0f2}.frame{fill:none;stroke:#d0d7de}.tick{font:10px sans-serif;fill:#57606a}"
-                     ".legend{font:11px sans-serif}</style>")
-
-
-def reliability_file_svg(conf: list[float], correct: list[float], bins: int = 10, title: str = "") -> str:
-    """``reliability_svg`` as a file a browser opens on its own (namespace, styles, legend, title)."""
-    svg = reliability_svg(conf, correct, bins, height=230)
-    svg = svg.replace("<svg", '<svg xmlns="http://www.w3.org/2000/svg"', 1)
-    head_end = svg.index(">") + 1
-    legend = (f'<text class="legend" x="300" y="14" fill="{PALETTE[1]}">\u25a0 stated confidence</text>'
-              f'<text class="legend" x="400" y="14" fill="{PALETTE[0]}">\u25a0 accuracy</text>'
-              f'<text class="legend" x="60" y="14" fill="#24292f">{html.escape(title)}</text>')
-    return svg[:head_end] + _STANDALONE_STYLE + svg[head_end:].replace("</svg>", legend + "</svg>") + "\n"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from .charts import reliability_svg
+from .reliability import reliability_svg
 from .load import Run
 from .traces import GOLD_KEYS
 from .util import _as_bool, _cut, _finite, _first, _flatten, _is_int, _kv_table, _num_or, _text, fmt
@@ -90,11 +90,8 @@ def render_eval(run: Run) -> str:
     out = [f'<section id="eval"><h2>{html.escape(title)}</h2>']
     if run.eval_summary is not None:
         out.append(_kv_table(_flatten(run.eval_summary), "eval-summary"))
-    graded = [r["reader"] for r in run.samples if isinstance(r.get("reader"), dict)]
-    if graded:  # relign eval scorer=reader: the reliability diagram of the reader's top answers
-        out.append('<h3>Reliability diagram</h3><p class="note">Stated confidence of the reader\'s top answer '
-                   '(binned, n = samples per bin) against how often that answer was right.</p>')
-        out.append(reliability_svg([g["confidence"] for g in graded], [g["correct"] for g in graded]))
+    if in_training:  # an eval run opens with its diagram (render_reliability); a training run's comes here
+        out.append(render_reliability(run, heading="h3"))
     if run.samples:
         problems = group_samples(run.samples)
         shown, size = [], 0
@@ -112,6 +109,23 @@ def render_eval(run: Run) -> str:
         out.append('<div id="eval-grid">' + "".join(shown) + "</div>")
     out.append("</section>")
     return "".join(out)
+
+
+def render_reliability(run: Run, heading: str = "h2") -> str:
+    """The reliability diagram of the reader's top answers (``relign eval scorer=reader``: rows
+    with ``reader``), or "" when no sample was read. A row written before abstentions were
+    recorded has no ``no_answer``: it is drawn as answered."""
+    graded = [r["reader"] for r in run.samples if isinstance(r.get("reader"), dict)]
+    graded = [g for g in graded if _finite(g.get("confidence")) is not None and _finite(g.get("correct")) is not None]
+    if not graded:
+        return ""
+    conf = [min(max(float(g["confidence"]), 0.0), 1.0) for g in graded]
+    svg = reliability_svg(conf, [float(g["correct"]) for g in graded], [bool(g.get("no_answer")) for g in graded])
+    return (f'<section id="reliability"><{heading}>Reliability diagram</{heading}><p class="note">The reader\'s top '
+            "answer of each sample, binned by its stated confidence: the bar is how often the answers of the bin were "
+            "right, the dot their mean stated confidence; a calibrated reader's bars end on the diagonal. Below, the "
+            "samples per bin and, apart, those the reader found no answer in (counted in the ECE as confidence 1 and "
+            f'wrong).</p><figure class="reliability">{svg}</figure></section>')
 
 
 def _problem_html(p: dict[str, Any]) -> str:

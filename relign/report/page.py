@@ -1,5 +1,7 @@
 """One run's page: summary, before/after, sub-runs, eval, search, metrics, traces; and writing it.
 
+An eval with ``scorer=reader`` opens with its reliability diagram (evalview.render_reliability).
+
 A demo's page (demo.json) opens with its charts (demoview.py): a newcomer's first question is
 "what did training do", and the answer is a curve, not a table.
 
@@ -20,7 +22,7 @@ from urllib.parse import quote
 from .. import distributed
 from ..checkpoint import atomic_write_text
 from .demoview import render_demo, render_demo_charts
-from .evalview import render_eval
+from .evalview import render_eval, render_reliability
 from .load import Run, check_run_dir, final_metrics, infer_recipe, last_step, load_run, model_and_task, wall_time
 from .metrics import render_metrics
 from .search import assets as search_assets
@@ -140,7 +142,9 @@ def render_page(run: Run) -> str:
     in_training = run.samples_file.startswith("eval/")  # a training run's eval samples come after its own sections
     search = render_search(run)  # its CSS and JS go into the page only with it
     search_css, search_js = search_assets() if search else ("", "")
-    body = [render_demo_charts(run), render_summary(run), render_demo(run), render_subruns(run),
+    # relign eval scorer=reader opens with its reliability diagram: what a calibration eval is for
+    reliability = "" if in_training else render_reliability(run)
+    body = [reliability, render_demo_charts(run), render_summary(run), render_demo(run), render_subruns(run),
             "" if in_training else evals, search, metrics, render_traces(run), evals if in_training else ""]
     return page_html(name, name, f"<code>relign report {html.escape(str(run.path))}</code> rewrites it", "".join(body),
                      search_css, search_js)

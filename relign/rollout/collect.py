@@ -251,8 +251,10 @@ class RolloutCollector:
         for k in sorted({k for e in eps for k in e.components}):
             out[f"reward/{k}"] = float(np.mean([e.components.get(k, 0.0) for e in eps]))
         if eps and all("lc_confidence" in e.components for e in eps):  # a reader reward: the step's calibration
+            # the reader already scores a response without an answer as confidence 1 and wrong (top_answer)
             conf = [min(max(e.components["lc_confidence"], 0.0), 1.0) for e in eps]
             out["calib/ece"] = ece(conf, [e.components["lc_correct"] for e in eps])
+            out["calib/no_answer_frac"] = float(np.mean([e.components.get("lc_no_answer", 0.0) for e in eps]))
         out["reward/errors"] = float(sum(e.reward_error == "exception" for e in eps))
         out["reward/timeouts"] = float(sum(e.reward_error == "timeout" for e in eps))
         if self.env is not None:

@@ -66,8 +66,12 @@ def test_calibration_presets_and_reader_eval(tiny_model_dir, tmp_path):
     assert result["calib/accuracy"] == pytest.approx(sum(correct) / len(rows))
     assert result["calib/brier"] == pytest.approx(sum((c - o) ** 2 for c, o in zip(conf, correct)) / len(rows))
     assert result["calib/ece"] == pytest.approx(_ece(conf, correct), abs=1e-9)
+    # a sample with no answer is confidence 1 and wrong (the reference's worst case)
+    assert all((r["reader"]["confidence"], r["reader"]["correct"]) == (1.0, 0.0) for r in rows if r["reader"]["no_answer"])
+    assert result["calib/no_answer_frac"] == pytest.approx(sum(r["reader"]["no_answer"] for r in rows) / len(rows))
     assert (ev / "reliability.svg").read_text().startswith("<svg xmlns=")
-    assert "Reliability diagram" in (ev / "report.html").read_text()
+    page = (ev / "report.html").read_text()
+    assert page[page.index("<main>") + 6:].startswith('<section id="reliability">')  # the report opens with the diagram
 
 
 def test_lc_two_step_rl_with_tiny_extractor_and_forecaster(tiny_model_dir, forecaster_dir, tmp_path):

@@ -340,3 +340,47 @@ def test_comparison_in_headless_chromium(browser, tmp_path):
     shot = _save_screenshot(cdp, tmp_path / "report_compare.png")
     assert shot.stat().st_size > 10_000
     assert not [e for e in cdp.events if e.get("method") == "Runtime.exceptionThrown"]
+
+
+_TEXT_BOXES = """(sel => { const svg = document.querySelector(sel); svg.scrollIntoView({block: 'start'});
+  const b = r => [r.left, r.top, r.right, r.bottom];
+  return {svg: b(svg.getBoundingClientRect()), frame: b(svg.querySelector('rect.rd-frame').getBoundingClientRect()),
+          texts: [...svg.querySelectorAll('text')].map(t => [t.textContent, ...b(t.getBoundingClientRect())])}; })"""
+
+
+def _assert_text_apart(boxes: dict) -> None:
+    """No two texts of the diagram overlap, each lies inside the drawing, none inside the plot's frame."""
+    texts, (sl, st, sr, sb), (fl, ft, fr, fb) = boxes["texts"], boxes["svg"], boxes["frame"]
+    assert len(texts) > 20
+    for text, left, top, right, bottom in texts:
+        assert right - left > 1 and sl <= left and right <= sr and st <= top and bottom <= sb, (text, left, top, right, bottom)
+        assert right <= fl or left >= fr or bottom <= ft or top >= fb, f"{text!r} inside the plot"
+    for i, (a, al, at, ar, ab) in enumerate(texts):
+        for b, bl, bt, br, bb in texts[i + 1:]:
+            assert ar <= bl or br <= al or ab <= bt or bb <= at, f"{a!r} {[al, at, ar, ab]} overlaps {b!r} {[bl, bt, br, bb]}"
+
+
+def test_reliability_diagram_in_headless_chromium(browser, tmp_path):
+    from ..report.test_reliability import calibration_rows, make_calibration_eval_run
+
+    rows = calibration_rows()  # every bin filled, most with 3-digit counts, and 37 without an answer
+    cdp = browser
+    _open_offline(cdp, make_calibration_eval_run(tmp_path / "eval", rows))
+    # the page opens with the diagram, above the summary's table, in the first screen
+    assert cdp.js("document.querySelector('main').firstElementChild.id") == "reliability"
+    assert cdp.js("document.querySelector('#reliability svg').getBoundingClientRect().top") < cdp.js("window.innerHeight")
+    assert cdp.js("document.querySelectorAll('#reliability rect.rd-bar').length") == 10
+    assert cdp.js("document.querySelector('#reliability rect.rd-abstain').dataset.count") == "37"
+    _assert_text_apart(cdp.js(f"{_TEXT_BOXES}('#reliability svg')"))
+    _save_screenshot(cdp, tmp_path / "report_reliability.png")
+
+    # the file relign eval writes beside the report, opened on its own
+    from relign.report.reliability import reliability_svg
+
+    g = [r["reader"] for r in rows]
+    svg = tmp_path / "reliability.svg"
+    svg.write_text(reliability_svg([x["confidence"] for x in g], [x["correct"] for x in g], [x["no_answer"] for x in g],
+                                   standalone=True))
+    cdp.events.clear()  # the report's requests and load event: _open_page checks the svg's alone
+    _open_page(cdp, svg)
+    _assert_text_apart(cdp.js(f"{_TEXT_BOXES}('svg')"))

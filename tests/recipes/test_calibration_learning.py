@@ -3,26 +3,23 @@ random confidences to the true probability (the synthetic ``calibration`` task).
 
 from __future__ import annotations
 
-import json
-import random
 import re
 
 import pytest
 
 from relign.config import load_config
-from relign.envs.calibration import TEMPLATE, make_records
+from relign.envs.calibration import make_records
 from relign.recipes import rl, sft
 
-from ..conftest import torch_threads
+from ..conftest import REPO, torch_threads
 
 CONF = re.compile(r"conf:\s*(\d+)")  # the reader also reads "conf:7"
 
 
-def _stated(model_dir, q: float, seed: int = 123, n: int = 200):
-    """Stated P(left) and whether the answer was left, for the samples that state one, on n
-    held-out records with fresh draws (another seed), sampled at temperature 1; read here with a
-    regex, not the reader under test. A sample that states nothing is left out, not read as 0.5:
-    a model that stopped stating confidences would otherwise score a near-zero ECE."""
+def _sample(model_dir, seed: int = 123, n: int = 200) -> list[str]:
+    """The responses to n held-out records (another seed than training), sampled at temperature 1.
+    Every record of the one room has the same prompt and record i is sampled with seed i, so the
+    texts do not depend on q: only the hidden answers do (``_points``)."""
     from transformers import AutoTokenizer
 
     from relign.models.loading import load_causal_lm
@@ -31,16 +28,31 @@ def _stated(model_dir, q: float, seed: int = 123, n: int = 200):
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = HFEngine(load_causal_lm(str(model_dir)).eval(), tok, seed=seed)
-    recs = make_records(n, seed=seed, features={"room": q})
+    recs = make_records(n, seed=seed, features={"room": 0.5})
     outs = engine.generate([tok(r["prompt"])["input_ids"] for r in recs], SamplingParams(temperature=1.0, max_new_tokens=8),
                            seeds=list(range(n)))
-    conf, left = [], []
-    for r, o in zip(recs, outs):
-        m = CONF.fullmatch(o[0].text.strip())
-        if m and int(m[1]) <= 10:  # a response that states nothing is left out, and counted by the caller
-            conf.append(int(m[1]) / 10)
-            left.append(float(r["extra_info"]["answer"] == "left"))
-    return conf, left
+    return [o[0].text for o in outs]
+
+
+def _points(texts: list[str], q: float, seed: int = 123):
+    """The stated P(left) of the samples that state one, and every sample as ``relign eval
+    scorer=reader`` scores it against the hidden answers of room q (fresh draws, ``seed``): the
+    reader's top answer, its confidence and whether it is right. Read here with a regex, not the
+    reader under test: ``conf: N`` states left N/10 and right 1 - N/10, the top answer is the
+    likelier (left on a tie, as it is stated first); a sample that states nothing is confidence 1
+    and wrong, so a model that stopped stating confidences cannot score a low ECE."""
+    recs = make_records(len(texts), seed=seed, features={"room": q})
+    p_left, points = [], []
+    for r, text in zip(recs, texts):
+        left = r["extra_info"]["answer"] == "left"
+        m = CONF.fullmatch(text.strip())
+        if m and int(m[1]) <= 10:
+            p = int(m[1]) / 10
+            p_left.append(p)
+            points.append((p, float(left)) if p >= 0.5 else (1 - p, float(not left)))
+        else:
+            points.append((1.0, 0.0))
+    return p_left, points
 
 
 def _ece(conf, outcome, bins=10):
@@ -53,33 +65,37 @@ def _ece(conf, outcome, bins=10):
     return total
 
 
-@pytest.mark.slow(seconds=50)  # started first (conftest): the longest single tests
+RUNS = ((0.3, "log"), (0.8, "brier"))
+"""Two q of the six the preset is tuned for, one on each side of 0.5, and both scoring rules: the log
+score (the preset's) at one and the Brier score at the other (each run is the preset's 120 steps,
+so two runs rather than three keep the test near its former 45 s)."""
+
+
+@pytest.mark.slow(seconds=55)  # started first (conftest): the longest single tests
 def test_grpo_with_the_reader_reward_calibrates_stated_confidence(tiny_model_dir, tmp_path):
-    rng = random.Random(0)
-    rows = [{"prompt": TEMPLATE.replace("{feature}", "room"), "response": f"conf: {rng.randint(1, 9)}"} for _ in range(256)]
-    (tmp_path / "warm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    """The shipped pipeline (examples/calibration_warm.yaml, then examples/calibration.yaml), only
+    task.features and the rule changed: held-out ECE of the reader's top answer halves."""
     common = ["logging.progress=false", "logging.tensorboard=false"]
     with torch_threads(1):
-        warm = sft.train(load_config(sft.Config, None, [
-            f"model.path={tiny_model_dir}", f"data.path={tmp_path / 'warm.jsonl'}", f"run_dir={tmp_path / 'sft'}",
-            "max_steps=150", "batch_size=16", "micro_batch_size=16", "optim.lr=3e-3", "data.eval_fraction=0", *common]))
-        means = {}
-        for q, rule in ((0.2, "log"), (0.8, "log"), (0.8, "brier")):  # the Brier rule: the same outcome
-            conf0, left0 = _stated(warm.checkpoint, q)
+        warm = sft.train(load_config(sft.Config, REPO / "examples" / "calibration_warm.yaml", [
+            f"model.path={tiny_model_dir}", f"data.path={REPO / 'relign' / 'data' / 'samples' / 'calibration_warm.jsonl'}",
+            f"run_dir={tmp_path / 'sft'}", *common]))
+        means, warm_texts = {}, _sample(warm.checkpoint)
+        for q, rule in RUNS:
+            p0, points0 = _points(warm_texts, q)
             run = tmp_path / f"rl_{q}_{rule}"
-            result = rl.train(load_config(rl.Config, None, [
-                f"model.path={warm.checkpoint}", "task.name=calibration", f"task.features={{room: {q}}}", "task.chat=false",
-                "task.reward_workers=0", "reward.kind=reader", "reward.reader.rule=true", f"reward.reader.scoring={rule}", "reward.rule_weight=0",
-                f"run_dir={run}", "rollout.n=8", "prompts_per_step=16", "rollout.max_new_tokens=8", "optim.lr=3e-3",
-                "max_steps=40", "traces_per_step=0", "seed=1", *common]))
-            conf1, left1 = _stated(run / "checkpoints" / "step_40", q)
+            cfg = load_config(rl.Config, REPO / "examples" / "calibration.yaml", [
+                f"model.path={warm.checkpoint}", f"task.features={{room: {q}}}", f"reward.reader.scoring={rule}",
+                f"run_dir={run}", "traces_per_step=0", *common])
+            result = rl.train(cfg)
+            p1, points1 = _points(_sample(run / "checkpoints" / f"step_{cfg.max_steps}"), q)
             rewards = [r["reward/mean"] for r in result.history if "reward/mean" in r]
             # silence is no calibration: nearly every sample must state a confidence, before and after
-            assert len(conf0) >= 180 and len(conf1) >= 180, (q, rule, len(conf0), len(conf1))
-            before, after = _ece(conf0, left0), _ece(conf1, left1)
-            means[q, rule] = sum(conf1) / len(conf1)
-            print(q, rule, "ECE", before, "->", after, "mean p", sum(conf0) / len(conf0), "->", means[q, rule])
+            assert len(p0) >= 180 and len(p1) >= 180, (q, rule, len(p0), len(p1))
+            before, after = _ece(*zip(*points0)), _ece(*zip(*points1))
+            means[q, rule] = sum(p1) / len(p1)
+            print(q, rule, "ECE", before, "->", after, "mean p", sum(p0) / len(p0), "->", means[q, rule])
             assert after < before / 2, (q, rule, before, after)
             assert abs(means[q, rule] - q) <= 0.12, (q, rule, means[q, rule])
             assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5, rewards
-    assert means[0.2, "log"] < means[0.8, "log"]
+    assert means[RUNS[0]] < means[RUNS[1]]
