@@ -31,6 +31,7 @@ Output: a markdown table on stdout and bench/results/hf_engine.json. Nothing is 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -51,7 +52,9 @@ BASELINE = "c54633a"  # the engine when issue 15 was filed: model forward + Dyna
 
 def engine_at(rev: str):
     """The ``HFEngine`` and ``SamplingParams`` classes of revision ``rev``, loaded from ``git show``
-    into a scratch package (``relign_at_<rev>.rollout``), so they run beside today's."""
+    into a scratch package (``relign_at_<rev>.rollout``), so they run beside today's. The engine's
+    own rollout modules come from ``rev`` (those it had); what they import from the rest of relign
+    (``from ..models ...``) is today's."""
     import importlib
     import subprocess
 
@@ -59,10 +62,10 @@ def engine_at(rev: str):
     (pkg / "rollout").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "rollout" / "__init__.py").write_text("")
-    for name in ("engine.py", "hf_engine.py"):
-        src = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:relign/rollout/{name}"], check=True,
-                             capture_output=True, text=True).stdout
-        (pkg / "rollout" / name).write_text(src)
+    for name in ("engine.py", "hf_engine.py", "fast_decode.py", "prefix_cache.py"):
+        got = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:relign/rollout/{name}"], capture_output=True, text=True)
+        if got.returncode == 0:
+            (pkg / "rollout" / name).write_text(got.stdout.replace("from ..", "from relign."))
     sys.path.insert(0, str(pkg.parent))
     hf = importlib.import_module(f"{pkg.name}.rollout.hf_engine")
     return hf.HFEngine, importlib.import_module(f"{pkg.name}.rollout.engine").SamplingParams
@@ -103,16 +106,22 @@ def main(argv: list[str] | None = None) -> None:
         BaseEngine, BaseParams = engine_at(a.baseline)
         base = BaseEngine(policy, tok, max_batch_rows=256, seed=0)
 
+    per_prompt = base is not None and "seeds" in inspect.signature(base.generate).parameters
+
     def generate(mode: str, batch: list[list[int]], seeds: list[int]):
-        if mode == "baseline":  # that version took one seed per call
-            return base.generate(batch, BaseParams(n=a.group, temperature=1.0, max_new_tokens=a.max_new_tokens,
-                                                   ignore_eos=True, seed=seeds[0]))
+        if mode == "baseline":
+            bp = BaseParams(n=a.group, temperature=1.0, max_new_tokens=a.max_new_tokens, ignore_eos=True)
+            if per_prompt:
+                return base.generate(batch, bp, seeds=seeds)
+            bp.seed = seeds[0]  # a version before per-prompt seeds took one seed per call
+            return base.generate(batch, bp)
         return engines[mode].generate(batch, params, seeds=seeds)
 
     modes = [*engines, *(["baseline"] if base is not None else [])]
     tokens = a.prompts * a.group * a.max_new_tokens
     times: dict[str, list[float]] = {m: [] for m in modes}
     agree: list[float] = []
+    same_base: list[bool] = []
     for rnd in range(a.repeats + 1):  # round 0: untimed warm-up
         start = (rnd * a.prompts) % (len(prompts) - a.prompts)
         batch = prompts[start : start + a.prompts]
@@ -128,6 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         # same seeds: a row stays identical until a uniform lands within float rounding of a CDF step
         same_prefix = [next((i for i, (x, y) in enumerate(zip(r, q)) if x != y), len(r)) for r, q in zip(ids["fast"], ids["forward"])]
         agree.append(sum(same_prefix) / tokens)
+        if per_prompt:  # the same seeds per prompt: the baseline's tokens too
+            same_base.append(ids["fast"] == ids["baseline"])
         print(f"[{rnd}/{a.repeats}] " + "  ".join(f"{m} {times[m][-1]:.3f} s" for m in times if rnd), file=sys.stderr,
               flush=True)
     tps = {m: [tokens / t for t in v] for m, v in times.items()}
@@ -148,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         # the same round's calls ran on the same prompts and machine state: their ratio is the least noisy
         "per_round_fast_over_baseline": [b / f for f, b in zip(times["fast"], times["baseline"])] if "baseline" in med else None,
         "tokens_before_first_difference_share": agree,
+        "baseline_tokens_identical": all(same_base) if per_prompt else None,
     }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     with open(a.out, "w") as f:
@@ -155,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nHF engine: {a.prompts} prompts x G={a.group} x {a.max_new_tokens} tokens, tiny qwen2 'small' fp32, "
           f"{a.threads} threads, {a.repeats} alternating repeats, median (range)\n")
     print("| decode step | tokens/s |\n|---|---:|")
-    rows = [("baseline", f"the engine at {a.baseline} (issue 15 filed): model forward, `DynamicCache`"),
+    rows = [("baseline", f"the engine at {a.baseline}" + (" (issue 15 filed): model forward, `DynamicCache`"
+                                                            if a.baseline == BASELINE else "")),
             ("forward", "the model's forward (`rollout.fast_decode=false`)"), ("fast", "relign's own step (default)")]
     for m, label in rows:
         if m not in med:
@@ -167,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     if "baseline" in med:
         paired = out["per_round_fast_over_baseline"]
         print(f"fast / the engine at {a.baseline}: {out['speedup_fast_over_baseline']:.2f}x (per round: median "
-              f"{_median(paired):.2f}x, {min(paired):.2f}-{max(paired):.2f}x)")
+              f"{_median(paired):.2f}x, {min(paired):.2f}-{max(paired):.2f}x)"
+              + (f"; the same tokens as it in every row of every round: {all(same_base)}" if per_prompt else ""))
 
 
 if __name__ == "__main__":
