@@ -4,6 +4,8 @@ and both against the engine as it was when issue 15 was filed (``--baseline``).
     python bench/hf_engine.py                 # GRPO bench shape: 4 prompts x G=8 x 128 tokens, 7 repeats
     python bench/hf_engine.py --prompts 64    # a large batch: 512 rows at once
     python bench/hf_engine.py --baseline none # only the two current modes
+    python bench/hf_engine.py --baseline 58c3ee1 --modes fast,static --threads 1   # issue 46: today's
+                                              # engine against the one before it, and its GPU shapes on the CPU
 
 Both sides are built as the RL recipe builds its engine (``relign.recipes.build.engine_for``,
 public API) on the same tiny random Qwen2 model (``relign.models.tiny``, "small", 10.4M
@@ -24,6 +26,10 @@ version's own public ``HFEngine.generate`` on the same model object, in the same
 That engine ran transformers' forward at every token over a stock ``DynamicCache`` (which
 concatenates the whole cache at every token) under ``no_grad``; it took one seed per call
 (per-prompt seeds came later), so its tokens are not compared with the others', only counted.
+A later revision's engine (one whose ``generate`` takes ``seeds``) gets the same per-prompt seeds,
+and its tokens are checked equal to today's in every row. The revision's own rollout modules are
+loaded (engine, hf_engine, fast_decode, prefix_cache); what they import from the rest of relign is
+today's.
 Reported: median and range of tokens/s over the repeats, and the ratio of the medians.
 Output: a markdown table on stdout and bench/results/hf_engine.json. Nothing is downloaded.
 """
@@ -31,6 +37,7 @@ Output: a markdown table on stdout and bench/results/hf_engine.json. Nothing is 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import os
@@ -80,6 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--baseline", default=BASELINE, help="a git revision whose HF engine joins the rotation, or 'none'")
+    p.add_argument("--modes", default="fast,forward", help="today's engines in the rotation: fast (its own decode "
+                   "step), forward (the model's forward at every step), static (its own step under the GPU's static "
+                   "shapes, eager)")
     a = p.parse_args(argv)
 
     import torch
@@ -91,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     from relign.models.tiny import build_tiny_model
     from relign.recipes.build import engine_for
     from relign.rollout.engine import SamplingParams, derive_seed
+    from relign.rollout.fast_decode import DecodePlan
 
     torch.set_num_threads(a.threads)
     model_dir = os.path.join(tempfile.mkdtemp(prefix="hf-engine-bench-"), "model")
@@ -99,7 +110,9 @@ def main(argv: list[str] | None = None) -> None:
     questions = [json.loads(line)["question"] for line in open(GSM8K)]
     prompts = [tok(q)["input_ids"] for q in questions]
     engines = {mode: engine_for("hf", policy, tok, max_batch_rows=256, seed=0, m=ModelConfig(path=model_dir),
-                                fast_decode=(mode == "fast")) for mode in ("fast", "forward")}
+                                fast_decode=(mode != "forward")) for mode in a.modes.split(",")}
+    if "static" in engines:  # the GPU's static shapes (buckets, whole-capacity attention, a read every 16), eager
+        engines["static"].plan = dataclasses.replace(DecodePlan.for_device("cuda"), capture="none")
     params = SamplingParams(n=a.group, temperature=1.0, max_new_tokens=a.max_new_tokens, ignore_eos=True)
     base = None
     if a.baseline != "none":
@@ -135,8 +148,9 @@ def main(argv: list[str] | None = None) -> None:
         ids = {m: [c.token_ids for g in o for c in g] for m, o in outs.items()}
         assert all(sum(map(len, v)) == tokens for v in ids.values())
         # same seeds: a row stays identical until a uniform lands within float rounding of a CDF step
-        same_prefix = [next((i for i, (x, y) in enumerate(zip(r, q)) if x != y), len(r)) for r, q in zip(ids["fast"], ids["forward"])]
-        agree.append(sum(same_prefix) / tokens)
+        if "forward" in ids:
+            same_prefix = [next((i for i, (x, y) in enumerate(zip(r, q)) if x != y), len(r)) for r, q in zip(ids["fast"], ids["forward"])]
+            agree.append(sum(same_prefix) / tokens)
         if per_prompt:  # the same seeds per prompt: the baseline's tokens too
             same_base.append(ids["fast"] == ids["baseline"])
         print(f"[{rnd}/{a.repeats}] " + "  ".join(f"{m} {times[m][-1]:.3f} s" for m in times if rnd), file=sys.stderr,
@@ -153,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
                 "torch": torch.__version__, "transformers": transformers.__version__, "relign": relign.__version__,
                 "load_avg_after": os.getloadavg()},
         "seconds": times, "tokens_per_s": tps, "median_tokens_per_s": med,
-        "speedup_fast_over_forward": med["fast"] / med["forward"],
+        "speedup_fast_over_forward": med["fast"] / med["forward"] if "forward" in med else None,
         "baseline": None if a.baseline == "none" else a.baseline,
         "speedup_fast_over_baseline": med["fast"] / med["baseline"] if "baseline" in med else None,
         # the same round's calls ran on the same prompts and machine state: their ratio is the least noisy
@@ -169,14 +183,16 @@ def main(argv: list[str] | None = None) -> None:
     print("| decode step | tokens/s |\n|---|---:|")
     rows = [("baseline", f"the engine at {a.baseline}" + (" (issue 15 filed): model forward, `DynamicCache`"
                                                             if a.baseline == BASELINE else "")),
-            ("forward", "the model's forward (`rollout.fast_decode=false`)"), ("fast", "relign's own step (default)")]
+            ("forward", "the model's forward (`rollout.fast_decode=false`)"), ("fast", "relign's own step (default)"),
+            ("static", "relign's own step under the GPU's static shapes, eager")]
     for m, label in rows:
         if m not in med:
             continue
         print(f"| {label} | {med[m]:,.0f} ({min(tps[m]):,.0f}–{max(tps[m]):,.0f}) |")
-    print(f"\nfast / forward: {out['speedup_fast_over_forward']:.2f}x; tokens sampled identically before a row's first "
-          f"difference: {100 * min(agree):.1f}-{100 * max(agree):.1f}% (float rounding at a CDF step); load average after: "
-          f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if "forward" in med:
+        print(f"\nfast / forward: {out['speedup_fast_over_forward']:.2f}x; tokens sampled identically before a row's first "
+              f"difference: {100 * min(agree):.1f}-{100 * max(agree):.1f}% (float rounding at a CDF step)")
+    print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if "baseline" in med:
         paired = out["per_round_fast_over_baseline"]
         print(f"fast / the engine at {a.baseline}: {out['speedup_fast_over_baseline']:.2f}x (per round: median "

@@ -120,6 +120,12 @@ def unsupported_reason(model) -> str | None:
             return "a projection is neither a plain nn.Linear nor a LoRA layer around one (quantized?)"
         if any(_is_lora(x) and getattr(x, "fan_in_fan_out", False) for x in linears):
             return "a LoRA layer with fan_in_fan_out"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [a.q_norm, a.k_norm] if hasattr(a, "q_norm") else []
+        if any(not type(x).__name__.endswith("RMSNorm") or not hasattr(x, "variance_epsilon") for x in norms):
+            return "a norm that is not Llama's RMSNorm"
+        if len({x.variance_epsilon for x in norms}) > 1:
+            return "RMSNorms with different eps"
         if _bias(m.gate_proj) is not None or _bias(m.up_proj) is not None:
             return "MLP biases"
         if (_bias(a.q_proj) is None) != (_bias(a.k_proj) is None) or (_bias(a.q_proj) is None) != (_bias(a.v_proj) is None):
@@ -271,6 +277,13 @@ class FastDecoder:
         self.Hkv = getattr(cfg, "num_key_value_heads", None) or self.H
         self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
         self.layers = len(self.inner.layers)
+        self.eps = self.inner.layers[0].input_layernorm.variance_epsilon
+        self.layer_fn = decoder_layer  # or torch.compile(decoder_layer): ``compile_layers``
+
+    def compile_layers(self) -> None:
+        """Compile the decoder layer once for every layer (``DecodePlan.capture='compile'``): shapes are
+        fixed within a bucket, and the layers differ only in the tensors they are given."""
+        self.layer_fn = torch.compile(decoder_layer, fullgraph=True, dynamic=False)
 
     def weights(self) -> Weights:
         """Fresh copies of the model's weights (made after the last update)."""
@@ -286,8 +299,6 @@ class FastDecoder:
         return logits
 
     def _step(self, tokens, positions, kv: StaticKV, weights: Weights, span: int) -> torch.Tensor:
-        R, H, Hkv, D = tokens.shape[0], self.H, self.Hkv, self.D
-        g = H // Hkv
         h = self.inner.embed_tokens(tokens)  # [R, hidden]
         cos, sin = self.inner.rotary_emb(h, positions[:, None])  # [R, 1, D]
         allowed = kv.prompt_ok[:, :span] & (kv.cols[:span] <= kv.col)  # [R, span]
@@ -295,25 +306,45 @@ class FastDecoder:
         bias = bias[:, None, None, :].to(h.dtype)  # [R, 1, 1, span]
         for layer, K_buf, V_buf, (qkv, o_proj, gate_up, down) in zip(self.inner.layers, kv.k, kv.v, weights.layers):
             a = layer.self_attn
-            x = layer.input_layernorm(h)
-            q, k, v = _linear(x, qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)
-            q, k, v = q.reshape(R, H, D), k.reshape(R, Hkv, D), v.reshape(R, Hkv, D)
-            if hasattr(a, "q_norm"):  # Qwen3: RMSNorm per head before RoPE
-                q, k = a.q_norm(q), a.k_norm(k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            # under bf16-mixed the buffers hold bf16 (attention casts to bf16 anyway), as the prefill's cache does
-            K_buf.index_copy_(2, kv.col, k[:, :, None].to(K_buf.dtype))
-            V_buf.index_copy_(2, kv.col, v[:, :, None].to(V_buf.dtype))
-            K, V = K_buf[:, :, :span], V_buf[:, :, :span]  # [R, Hkv, span, D]
-            scores = torch.matmul(q.view(R, Hkv, g, D), K.transpose(-1, -2)) * a.scaling + bias  # [R, Hkv, g, span]
-            p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            o = torch.matmul(p, V).reshape(R, H * D)
-            h = h + _linear(o, o_proj)
-            x = layer.post_attention_layernorm(h)
-            gate, up = _linear(x, gate_up).chunk(2, dim=-1)
-            h = h + _linear(F.silu(gate) * up, down)
+            qk_norm = (a.q_norm.weight, a.k_norm.weight) if hasattr(a, "q_norm") else (None, None)  # Qwen3
+            h = self.layer_fn(h, cos, sin, bias, kv.col, K_buf, V_buf, layer.input_layernorm.weight,
+                              layer.post_attention_layernorm.weight, *qk_norm, *qkv, *o_proj, *gate_up, down[0], down[1],
+                              eps=self.eps, scaling=a.scaling, heads=(self.H, self.Hkv, self.D), span=span)
         return _linear(self.inner.norm(h), weights.lm)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """w * x / sqrt(mean(x^2) + eps), the variance in fp32: Llama's, Qwen2's and Qwen3's RMSNorm, op for op."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def decoder_layer(h, cos, sin, bias, col, K_buf, V_buf, norm1, norm2, q_norm, k_norm, qkv_w, qkv_b, o_w, o_b, gu_w, gu_b,
+                  d_w, d_b, *, eps: float, scaling: float, heads: tuple[int, int, int], span: int) -> torch.Tensor:
+    """One decoder layer of the decode step on one token per row (the module docstring's per-layer
+    lines), a pure function of tensors: ``torch.compile`` traces it once and serves every layer."""
+    H, Hkv, D = heads
+    R, g = h.shape[0], H // Hkv
+    x = rms_norm(h, norm1, eps)
+    q, k, v = _linear(x, (qkv_w, qkv_b)).split([H * D, Hkv * D, Hkv * D], dim=-1)
+    q, k, v = q.reshape(R, H, D), k.reshape(R, Hkv, D), v.reshape(R, Hkv, D)
+    if q_norm is not None:  # Qwen3: RMSNorm per head before RoPE
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    # under bf16-mixed the buffers hold bf16 (attention casts to bf16 anyway), as the prefill's cache does
+    K_buf.index_copy_(2, col, k[:, :, None].to(K_buf.dtype))
+    V_buf.index_copy_(2, col, v[:, :, None].to(V_buf.dtype))
+    K, V = K_buf[:, :, :span], V_buf[:, :, :span]  # [R, Hkv, span, D]
+    scores = torch.matmul(q.view(R, Hkv, g, D), K.transpose(-1, -2)) * scaling + bias  # [R, Hkv, g, span]
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    o = torch.matmul(p, V).reshape(R, H * D)
+    h = h + _linear(o, (o_w, o_b))
+    x = rms_norm(h, norm2, eps)
+    gate, up = _linear(x, (gu_w, gu_b)).chunk(2, dim=-1)
+    return h + _linear(F.silu(gate) * up, (d_w, d_b))
 
 
 # --------------------------------------------------------------------------- the plan of a decode
@@ -326,8 +357,9 @@ class DecodePlan:
     ``static``: rows in buckets and attention over the buffers' whole capacity, so every step of
     a bucket has the same shapes (what a graph needs); the buffers and weight copies are kept
     across calls. ``capture``: ``none`` (eager), ``graph`` (a ``torch.cuda.CUDAGraph`` of the eager
-    step), ``compile`` (``torch.compile`` of the step, fullgraph, captured in such a graph) or
-    ``reduce-overhead`` (``torch.compile``'s own CUDA graphs). ``read_every``: the host reads the
+    step), ``compile`` (the decoder layer compiled once for all layers, fullgraph, the step captured
+    in such a graph) or ``reduce-overhead`` (the whole step under ``torch.compile``'s own CUDA
+    graphs). ``read_every``: the host reads the
     sampled tokens (and checks stops, compacts, stops early) every k steps, its only reads.
     ``row_buckets``: the row counts a chunk runs at (None: exactly its live rows).
     ``length_bucket``: the buffers' capacity is rounded up to a multiple of it."""

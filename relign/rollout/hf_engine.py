@@ -566,8 +566,8 @@ class HFEngine(Engine):
                       *weights.tensors()]:
                 torch._dynamo.mark_static_address(t)
             return torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
-        if mode == "compile":
-            fn = torch.compile(fn, fullgraph=True, dynamic=False)
+        if mode == "compile":  # one compiled decoder layer serves all of them; the graph holds the whole step
+            self.fast.compile_layers()
         # a warm-up run (and the compile) moves the state on by a step: put it back after the capture,
         # which itself runs nothing (the columns it wrote are written again before anything reads them)
         state = [slot.rows.tok, slot.rows.pos, slot.rows.t, slot.kv.col]
