@@ -173,12 +173,13 @@ def test_the_static_step_compiles_whole(monkeypatch):
         compiled.append(torch.compile(fn, backend="eager", fullgraph=True))
         return compiled[-1]
 
-    params = [SamplingParams(n=2, temperature=0.9, top_k=40, max_new_tokens=12, min_new_tokens=4, stop_token_ids=[7, 11]),
-              SamplingParams(n=1, temperature=0.0, max_new_tokens=10, ignore_eos=True)]
+    # top-k, per-row uniforms, the stop ids banned on the device (through the last token: no row
+    # finishes, so one bucket and one compile)
+    params = [SamplingParams(n=2, temperature=0.9, top_k=40, max_new_tokens=10, min_new_tokens=10, stop_token_ids=[7, 11])]
     want = [HFEngine(model, _Tok(), decode=STATIC).generate(PROMPTS, p, seeds=[1, 2, 3, 4]) for p in params]
     monkeypatch.setattr(HFEngine, "_capture", compile_it)
     got = [HFEngine(model, _Tok(), decode=STATIC).generate(PROMPTS, p, seeds=[1, 2, 3, 4]) for p in params]
-    assert len(compiled) >= 2
+    assert len(compiled) == 1
     for a, b in zip(got, want):
         assert [[c.token_ids for c in g] for g in a] == [[c.token_ids for c in g] for g in b]
         for x, y in zip((c for g in a for c in g), (c for g in b for c in g)):
@@ -246,6 +247,7 @@ def test_lora_decodes_from_merged_copies(static):
 def test_lora_adapter_update_shows_in_the_next_call(static):
     peft = _lora("llama")
     engine = HFEngine(peft, _Tok(), decode=STATIC if static else None)
+    assert engine.fast is not None  # from the merged copies, not peft's forward
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, ignore_eos=True)
     before = engine.generate(PROMPTS, params, seeds=[0, 1, 2, 3])
     opt = torch.optim.AdamW([p for p in peft.parameters() if p.requires_grad], lr=0.1, fused=True)
