@@ -556,9 +556,12 @@ class HFEngine(Engine):
         return lambda made: run()
 
     def _capture(self, slot: _Slot, weights, sampler: _Sampler):
+        """The bucket's step as ``DecodePlan.capture`` runs it: the eager step, or the replay of a CUDA
+        graph of it. On a CPU a captured plan runs its warm-up and then the eager step (the twin the
+        tests compare)."""
         fn = lambda: self._iteration(slot.rows, slot.kv, weights, sampler, slot.kv.capacity)  # noqa: E731
         mode = self.plan.capture
-        if mode == "none" or self.device.type != "cuda":
+        if mode == "none":
             return fn
         if mode == "reduce-overhead":  # torch.compile's own CUDA graphs: each call is a real step
             # the buffers it writes in place keep their addresses (else its graphs are skipped for mutated inputs)
@@ -568,23 +571,31 @@ class HFEngine(Engine):
             return torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
         if mode == "compile":  # one compiled decoder layer serves all of them; the graph holds the whole step
             self.fast.compile_layers()
-        # a warm-up run (and the compile) moves the state on by a step: put it back after the capture,
-        # which itself runs nothing (the columns it wrote are written again before anything reads them)
+        cuda = self.device.type == "cuda"
+        # a warm-up run (it compiles, under 'compile') moves the state on by a step: put it back after
+        # the capture, which itself runs nothing; the columns it wrote are written again before anything reads them
         state = [slot.rows.tok, slot.rows.pos, slot.rows.t, slot.kv.col]
         saved = [x.clone() for x in state]
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        side = torch.cuda.Stream(self.device) if cuda else None
+        if cuda:
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+        else:
             fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            fn()
+        run = fn
+        if cuda:
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: with rollout.overlap=thread the trainer's thread keeps using the device meanwhile
+            with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+                fn()
+            run = graph.replay
         for x, s in zip(state, saved):
             x.copy_(s)
-        return graph.replay
+        return run
 
     def _slot(self, R: int, capacity: int, dtype: torch.dtype) -> _Slot:
         """The kept buffers of ``R`` rows and ``capacity`` columns (made on first use)."""

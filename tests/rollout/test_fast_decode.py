@@ -186,6 +186,23 @@ def test_the_static_step_compiles_whole(monkeypatch):
             torch.testing.assert_close(torch.tensor(x.logps), torch.tensor(y.logps), atol=1e-6, rtol=0)
 
 
+def test_a_captures_warm_up_leaves_the_state_as_it_was():
+    """Capturing a bucket's step first runs it once (a warm-up, which also compiles), moving the
+    tokens, positions, step and column on; they are put back. On the CPU a captured plan runs that
+    warm-up and then the eager step: bitwise the uncaptured plan's outputs, buckets changed mid-call
+    included (each new bucket is captured when the rows move into it)."""
+    import dataclasses
+
+    model = _model("qwen2")
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=24, stop_token_ids=list(range(7, 300, 11)))
+    eager = HFEngine(model, _Tok(), decode=STATIC).generate(PROMPTS, params, seeds=[1, 2, 3, 4])
+    engine = HFEngine(model, _Tok(), decode=dataclasses.replace(STATIC, capture="graph"))
+    out = engine.generate(PROMPTS, params, seeds=[1, 2, 3, 4])
+    assert len(engine._slots) >= 2  # the rows moved into a smaller bucket, captured there too
+    assert [[(c.token_ids, c.logps, c.finish_reason) for c in g] for g in out] == \
+        [[(c.token_ids, c.logps, c.finish_reason) for c in g] for g in eager]
+
+
 def test_kept_buffers_follow_the_weights_between_calls():
     """Under static shapes the weight copies and buffers live across calls: rewritten in place, so an
     in-place update between calls (a fused AdamW step) shows in the next rollout."""
