@@ -278,6 +278,10 @@ class FastDecoder:
         self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
         self.layers = len(self.inner.layers)
         self.eps = self.inner.layers[0].input_layernorm.variance_epsilon
+        # dynamic and long RoPE read the longest position back to the host and may swap their
+        # frequency table for a new tensor: a captured graph can hold neither
+        rope = str(getattr(self.inner.rotary_emb, "rope_type", "default"))
+        self.capturable = "dynamic" not in rope and rope != "longrope"
         self.layer_fn = decoder_layer  # or torch.compile(decoder_layer): ``compile_layers``
 
     def compile_layers(self) -> None:

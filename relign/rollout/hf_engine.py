@@ -31,6 +31,7 @@ batch when they finish; and ``generate``'s per-step overhead dominates small-mod
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -269,6 +270,8 @@ class HFEngine(Engine):
         self.compact_fraction = compact_fraction
         self.device = next(model.parameters()).device
         self.plan = decode if decode is not None else DecodePlan.for_device(self.device)
+        if self.fast is not None and not self.fast.capturable and self.plan.capture != "none":
+            self.plan = dataclasses.replace(self.plan, capture="none")  # static shapes, eager (fast_decode.capturable)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.eos_ids = eos_token_ids(tokenizer, model)
         eos = tokenizer.eos_token_id

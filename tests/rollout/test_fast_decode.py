@@ -203,6 +203,22 @@ def test_a_captures_warm_up_leaves_the_state_as_it_was():
         [[(c.token_ids, c.logps, c.finish_reason) for c in g] for g in eager]
 
 
+def test_dynamic_rope_is_not_captured():
+    """Dynamic RoPE reads the longest position back to the host and may swap its frequency table: a
+    graph could not hold it, so the engine keeps the static shapes and runs them eagerly."""
+    import dataclasses
+
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=96, intermediate_size=160, num_hidden_layers=1,
+                                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
+                                   rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    engine = HFEngine(model, _Tok(), decode=dataclasses.replace(STATIC, capture="graph"))
+    assert engine.fast is not None and engine.plan.capture == "none" and engine.plan.static
+    assert HFEngine(_model("llama"), _Tok(), decode=dataclasses.replace(STATIC, capture="graph")).plan.capture == "graph"
+
+
 def test_kept_buffers_follow_the_weights_between_calls():
     """Under static shapes the weight copies and buffers live across calls: rewritten in place, so an
     in-place update between calls (a fused AdamW step) shows in the next rollout."""
