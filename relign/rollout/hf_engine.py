@@ -412,6 +412,8 @@ class HFEngine(Engine):
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, n: int, gen,
                         seeds: list[int] | None, weights: Weights | None) -> list[Completion]:
         dev, P, T = self.device, len(prompts), params.max_new_tokens
+        if T <= 0:  # nothing to sample (and no prefill to pay for)
+            return [self._completion([], [], "length", None, []) for _ in range(P * n)]
         static = weights is not None and self.plan.static
         cache = growing_cache(self.model.config, max(len(p) for p in prompts) + (0 if static else T))
         logits, attn, next_pos = self._prefill(prompts, cache, 0 if static else T)

@@ -428,6 +428,8 @@ def test_engine_protocol_and_small_contract(model, tokenizer, prompts):
     assert engine.generate([], SamplingParams()) == []
     with pytest.raises(ValueError):
         engine.generate([[]], SamplingParams())
+    c = engine.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=0))
+    assert [[(x.token_ids, x.finish_reason) for x in g] for g in c] == [[([], "length")] * 2] * 2
     model.train()
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=2))
     assert model.training  # the caller's mode is restored
