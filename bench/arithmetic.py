@@ -48,27 +48,14 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from relign.models.flops import ModelFlops  # noqa: E402  (after the path above)
+
 GSM8K = REPO / "relign" / "envs" / "data" / "gsm8k_train_512.jsonl"
 ORCA = REPO / "relign" / "data" / "samples" / "orca_dpo_pairs.jsonl"
 
 
-class Shape:
-    """Forward FLOPs of one model: per token through the decoder, per scored position, per
-    computed (query, key) pair."""
-
-    def __init__(self, cfg):
-        h, n, kv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
-        d = getattr(cfg, "head_dim", None) or h // n
-        per_layer = h * n * d + 2 * h * kv * d + n * d * h + 3 * h * cfg.intermediate_size
-        self.token = 2 * per_layer * cfg.num_hidden_layers
-        self.head = 2 * h * cfg.vocab_size
-        self.pair = 4 * n * d * cfg.num_hidden_layers  # q.k and p.v, every layer
-
-    def causal(self, n: int) -> float:
-        return n * (n + 1) / 2 * self.pair
-
-    def full(self, queries: int, keys: int) -> float:
-        return queries * keys * self.pair
+# relign's own count (``perf/mfu`` of every run uses it too): token, head and pair FLOPs of a shape
+Shape = ModelFlops
 
 
 def grpo(m: Shape, prompts: list[int], G: int, T: int) -> dict:

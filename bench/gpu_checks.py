@@ -9,9 +9,13 @@ layers, 14 query / 2 key-value heads, MLP 4864, tied 151,936-token vocabulary; 4
 with the tiny local tokenizer (its ids are a subset of the vocabulary; nothing is downloaded):
 
   sft     tokens/s and MFU, ``packing=true`` vs ``false``, rows of 1/8 to 1 x --seq-len tokens
-          (uniform), ``model.dtype=bf16-mixed``, SDPA attention.
-          MFU = tokens/s x (6 N + 6 L d T_mean) / peak bf16 FLOP/s (N: all parameters, the LM
-          head included since it runs at every trained position; 6 L d T: causal attention).
+          (uniform; the first eighth of each is prompt), ``model.dtype=bf16-mixed``, SDPA attention.
+          MFU is the run's own ``perf/mfu`` (``relign.models.flops``, the peak passed as
+          ``logging.peak_tflops``), time-weighted over the timed steps: 3 x (2 x the decoder's
+          linear weights per token + 2 x hidden x vocab where the LM head runs, i.e. at the
+          response tokens only, + causal attention) / seconds / peak. The first run's figure
+          (15.5%) counted 6 N for every token, the prompt's too, whose LM head ``logits_to_keep``
+          skips: about 3% more than this count on these rows.
   dpo     pairs/s, prompts of --seq-len/16 to /8 tokens, responses of /16 to /4, reference precomputed.
   grpo    step seconds by stage (rollout, reward, reference, update, sync) on the HF engine:
           --prompts x G=8 completions of exactly --new-tokens tokens (EOS banned), β = 0.04.
@@ -28,8 +32,9 @@ Every check records the CUDA allocator's peak (``torch.cuda.max_memory_allocated
 before it; for torchrun the child's own peak is not seen). The JSON at --out is rewritten after
 every check, so a run stopped at its time limit still leaves the checks it finished.
 
-Peak FLOP/s and bandwidth come from the device name (H100 SXM: 989 TFLOP/s bf16 dense, 3.35
-TB/s; H100 PCIe: 756, 2.0; H200: 989, 4.8); ``--peak-tflops`` / ``--bandwidth-tbs`` override.
+Peak FLOP/s and bandwidth come from the device name (``relign.models.flops.PEAKS``: H100 SXM: 989
+TFLOP/s bf16 dense, 3.35 TB/s; H100 PCIe: 756, 2.0; H200: 989, 4.8); ``--peak-tflops`` /
+``--bandwidth-tbs`` override.
 Results: a markdown table on stdout and JSON at --out.
 
 On the device machine: it has torch, transformers, peft and tqdm; relign also needs omegaconf,
@@ -58,9 +63,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-# name fragment -> (bf16 dense TFLOP/s, HBM TB/s), most specific first
-DEVICES = [("H100 PCIe", 756.0, 2.0), ("H100 NVL", 835.0, 3.9), ("H100", 989.0, 3.35), ("H200", 989.0, 4.8),
-           ("A100", 312.0, 2.0)]
 QWEN05 = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
               vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0, tie_word_embeddings=True)
 SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
@@ -72,20 +74,24 @@ def reward(prompt: str, response: str, extra_info: dict) -> float:
     return float(sum(map(ord, response)) % 2)
 
 
-def build_model(out: Path, shape: dict) -> int:
-    """A random model of ``shape`` with relign's tiny tokenizer; returns its parameter count."""
+def build_model(out: Path, shape: dict, *, tokenizer: bool = True) -> int:
+    """A random model of ``shape`` with relign's tiny tokenizer (``tokenizer``: saved beside it;
+    2 s to train, which ``bench/gpu_ab.py``'s sections, fed token ids, skip); returns its parameter count."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from relign.models.tiny import build_tokenizer
+    from relign.models.tiny import SPECIAL_TOKENS, build_tokenizer
 
-    tok = build_tokenizer(4096, seed=0)
-    cfg = Qwen2Config(**shape, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
+    tok = build_tokenizer(4096, seed=0) if tokenizer else None
+    # the tokenizer's special tokens come first, in SPECIAL_TOKENS' order: eos <|im_end|>, pad <|endoftext|>
+    cfg = Qwen2Config(**shape, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"),
+                      pad_token_id=SPECIAL_TOKENS.index("<|endoftext|>"))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
+    if tok is not None:
+        assert (tok.eos_token_id, tok.pad_token_id) == (cfg.eos_token_id, cfg.pad_token_id)
+        tok.save_pretrained(out)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -113,7 +119,16 @@ def median(xs: list[float]) -> float:
     return (xs[n // 2] + xs[(n - 1) // 2]) / 2 if xs else float("nan")
 
 
-def run_sft(a, model_dir: Path, tmp: Path, tok, n_params: int, shape: dict, peak: float, device: str) -> list[dict]:
+def run_mfu(rows: list[dict]) -> float | None:
+    """The MFU of the timed steps from relign's own ``perf/mfu`` (``relign.models.flops``),
+    weighted by each step's seconds; None when the run logged none (no peak known)."""
+    rows = [r for r in rows if "perf/mfu" in r]
+    if not rows:
+        return None
+    return sum(r["perf/mfu"] * r["perf/step_seconds"] for r in rows) / sum(r["perf/step_seconds"] for r in rows)
+
+
+def run_sft(a, model_dir: Path, tmp: Path, tok, peak: float, device: str) -> list[dict]:
     from relign.config import load_config
     from relign.recipes import sft
 
@@ -132,14 +147,13 @@ def run_sft(a, model_dir: Path, tmp: Path, tok, n_params: int, shape: dict, peak
             f"packing={str(packing).lower()}", "optim.lr=1e-5", "optim.warmup_ratio=0", "optim.schedule=constant",
             f"device={device}", "logging.progress=false", "logging.tensorboard=false", "checkpoint.save_every=0",
             "checkpoint.save_final=false", "eval_every=0", f"run_dir={tmp / ('sft-packed' if packing else 'sft-padded')}",
+            *([f"logging.peak_tflops={peak / 1e12}"] if peak else []),
         ])
         hist = sft.train(cfg).history
         steps = timed_rows(hist, "perf/tokens_per_s", a.warmup)
         tps = sum(r["perf/tokens"] for r in steps) / sum(r["perf/step_seconds"] for r in steps)
-        t_mean = sum(len(tok.encode(r["prompt"] + r["completion"])) for r in rows[:64]) / 64
-        flops_per_token = 6 * n_params + 6 * shape["num_hidden_layers"] * shape["hidden_size"] * min(t_mean, a.seq_len)
-        out.append({"check": "sft", "mode": "packed" if packing else "padded", "tokens_per_s": tps,
-                    "mfu": tps * flops_per_token / peak if peak else None, "steps_timed": len(steps)})
+        out.append({"check": "sft", "mode": "packed" if packing else "padded", "tokens_per_s": tps, "mfu": run_mfu(steps),
+                    "steps_timed": len(steps)})
     return out
 
 
@@ -307,7 +321,9 @@ def main(argv: list[str] | None = None) -> dict:
         a.decode_rows, a.decode_repeats = 4, 1
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
-    peak_t, bw_t = next(((f, b) for frag, f, b in DEVICES if frag in name), (0.0, 0.0))
+    from relign.models.flops import device_peak
+
+    peak_t, bw_t = device_peak(name)
     peak = (a.peak_tflops or peak_t) * 1e12
     bandwidth = (a.bandwidth_tbs or bw_t) * 1e12
     shape = SMOKE if a.smoke else QWEN05
@@ -330,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             if c == "sft":
-                res = run_sft(a, model_dir, tmp, tok, n_params, shape, peak, device)
+                res = run_sft(a, model_dir, tmp, tok, peak, device)
             elif c == "dpo":
                 res = [run_dpo(a, model_dir, tmp, tok, device)]
             elif c == "grpo":

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import distributed
+from . import distributed, watchdog
 from .errors import ConfigError
 
 STATE_FILE = "relign_state.json"
@@ -221,8 +221,10 @@ def gather_train_state(model: Any, optimizer: torch.optim.Optimizer) -> tuple[di
     )
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd = get_model_state_dict(model, options=opts) if distributed.world_size() > 1 else None
-    optim_sd = get_optimizer_state_dict(model, optimizer, options=opts)
+    # every gather's wait is inside these calls (each gathered tensor is copied to the CPU)
+    with watchdog.waiting("a collective (gathering the full model and optimizer state) with the other ranks"):
+        model_sd = get_model_state_dict(model, options=opts) if distributed.world_size() > 1 else None
+        optim_sd = get_optimizer_state_dict(model, optimizer, options=opts)
     return model_sd, optim_sd
 
 
@@ -252,7 +254,8 @@ def restore_optimizer(model: Any, optimizer: torch.optim.Optimizer, optim_sd: di
     """Load a ``gather_train_state`` optimizer state into a (possibly sharded) optimizer."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_sd, options=StateDictOptions(full_state_dict=True))
+    with watchdog.waiting("a collective (loading the optimizer state into its shards) with the other ranks"):
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_sd, options=StateDictOptions(full_state_dict=True))
 
 
 def _children(run_dir: str | os.PathLike, pattern: re.Pattern) -> list[tuple[Path, re.Match]]:

@@ -9,6 +9,7 @@ covers the shared sections (model, data, optim, checkpoint, logging).
 from __future__ import annotations
 
 import importlib.util
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,21 @@ def check_wandb(lg: LoggingConfig) -> None:
                               "'relign[wandb]' (or set logging.wandb=false)")
 
 
-DTYPE_CHOICES = ("fp32", "float32", "bf16", "bfloat16", "bf16-mixed")
+DTYPE_CHOICES = ("fp32", "float32", "bf16", "bfloat16", "bf16-mixed", "bf16-compute")
+COMPILE_CHOICES = ("auto", "true", "false")  # model.compile (relign.models.loading.compile_enabled)
+
+
+def check_compute_weights(dtype: str, gradient_checkpointing: bool) -> None:
+    """``model.dtype=bf16-compute``'s limits in this version (``models.precision``): one process,
+    no gradient checkpointing."""
+    if dtype != "bf16-compute":
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's; read here without importing torch
+        raise ConfigError(f"model.dtype={dtype} runs on one process in this version; under torchrun use "
+                          "model.dtype=bf16-mixed (its FSDP policy gathers the weights in bf16)")
+    if gradient_checkpointing:
+        raise ConfigError(f"model.dtype={dtype} does not combine with model.gradient_checkpointing=true (the recompute "
+                          "would run on the fp32 weights); use model.dtype=bf16-mixed")
 
 
 def check_common(cfg: Any) -> None:
@@ -103,6 +118,8 @@ def check_common(cfg: Any) -> None:
     m = getattr(cfg, "model", None)
     if isinstance(m, ModelConfig):
         check_choice("model.dtype", m.dtype, DTYPE_CHOICES)
+        check_choice("model.compile", str(m.compile).lower(), COMPILE_CHOICES)
+        check_compute_weights(m.dtype, m.gradient_checkpointing)
         if m.dtype in ("bf16", "bfloat16") and not m.lora.enabled and isinstance(getattr(cfg, "optim", None), OptimConfig):
             warnings.warn(
                 f"model.dtype={m.dtype} trains bf16 weights: an AdamW update smaller than about |w|/256 rounds to "

@@ -2,7 +2,9 @@
 
 The CLI only parses, loads the config and calls the recipe's ``train``. Problems a user can
 fix (bad config key or value, missing file, malformed data row) are printed as one line
-without a traceback and exit with status 2.
+without a traceback and exit with status 2. A run stopped by a check while it runs (an engine
+that does not hold the trainer's weights after a sync) is one line too, with status 3; a wait
+past ``rollout.wait_timeout`` exits with 124 (``watchdog``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from .commands._common import CommandError
 from .commands.presets import resolve_config_arg
 from .config import ConfigError, format_help, load_config
 from .data.readers import DataError
+from .errors import SyncMismatch
 from .recipes import RECIPES
 
 USAGE = """usage: relign RECIPE [CONFIG.yaml | PRESET] [key.sub=value ...]
@@ -56,9 +59,9 @@ def _usage() -> str:
     return USAGE.format(recipes="\n".join(recipes), commands="\n".join(commands))
 
 
-def _fail(command: str, message: str) -> int:
+def _fail(command: str, message: str, status: int = 2) -> int:
     print(f"relign {command}: error: {message}", file=sys.stderr)
-    return 2
+    return status
 
 
 def _tiny_model(argv: list[str]) -> int:
@@ -128,6 +131,8 @@ def run_recipe(command: str, argv: list[str]) -> int:
         return 0
     except (ConfigError, DataError) as e:
         return _fail(command, str(e))
+    except SyncMismatch as e:  # not a setting: the run found the engine's weights wrong
+        return _fail(command, str(e), SyncMismatch.exit_status)
     except FileNotFoundError as e:
         return _fail(command, f"file not found: {e.filename or e}")
     finally:

@@ -52,13 +52,20 @@ class ModelConfig:
     """Tokenizer folder or hub id; empty means the same as model.path."""
     dtype: str = "fp32"
     """fp32; bf16-mixed (fp32 weights and optimizer state, bf16 arithmetic: what TRL's bf16=True does;
-    the choice for training in bf16); or bf16 (bf16 weights: for inference, or LoRA on a bf16 base;
-    full-weight AdamW updates below |w|/256 round to nothing)."""
+    the choice for training in bf16); bf16-compute (fp32 weights, the forward on bf16 copies of them: the
+    residual stream and norms in bf16 too, fewer bytes, other numerics; one process, no gradient
+    checkpointing); or bf16 (bf16 weights: for inference, or LoRA on a bf16 base; full-weight AdamW updates
+    below |w|/256 round to nothing)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     lean_activations: bool = True
     """Save less for backward (relign.models.lean): SwiGLU MLPs keep g and u and recompute
-    silu(g) * u, Llama/Qwen RMSNorms recompute the normalized x. Same numbers to float rounding."""
+    silu(g) * u, Llama/Qwen RMSNorms recompute the normalized x. Same numbers to float rounding.
+    Off under model.compile (the compiler chooses what to recompute itself)."""
+    compile: str = "auto"
+    """torch.compile each decoder layer (regional compile: one graph for all layers, lengths symbolic): true,
+    false, or auto = on where measured faster (relign.models.loading.COMPILE_AUTO: off on CPU; on CUDA once
+    bench/gpu_ab.py measures it). The first steps then include the compile."""
     trust_remote_code: bool = False
     """Allow a hub model to run its own Python code. Off unless you trust the source."""
     attn_implementation: str = "sdpa"
@@ -283,6 +290,9 @@ class LoggingConfig:
     """Weights & Biases project."""
     run_name: str = ""
     """Display name of the run (defaults to the run directory name)."""
+    peak_tflops: float = 0.0
+    """Peak dense bf16 TFLOP/s of one device, for perf/mfu (model FLOPs / time / devices / peak); 0 = from the
+    GPU's name (relign.models.flops.PEAKS). With neither (a CPU, an unknown GPU) runs log no perf/mfu."""
 
 
 @dataclass

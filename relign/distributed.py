@@ -29,14 +29,27 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def init(device: torch.device | None = None) -> None:
-    """Join the torchrun process group if launched by torchrun (WORLD_SIZE > 1)."""
+def init(device: torch.device | None = None, wait_timeout: float = 0.0) -> None:
+    """Join the torchrun process group if launched by torchrun (WORLD_SIZE > 1).
+
+    ``wait_timeout``: the run's deadline for a blocking wait (``rollout.wait_timeout``; 0: none).
+    The group's own timeout is set a minute past it (``group_timeout``): the collectives relign
+    does not wait on itself (FSDP2's all-gathers and reduce-scatters inside the forward and
+    backward) then fail by NCCL's (or gloo's) own timeout, while relign's watchdog, a minute
+    earlier, still catches every collective relign waits on, with the stacks."""
     if is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
     use_cuda = torch.cuda.is_available() and (device is None or device.type == "cuda")
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30))
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=group_timeout(wait_timeout))
+
+
+def group_timeout(wait_timeout: float) -> timedelta:
+    """The process group's timeout for a run whose waits have ``wait_timeout`` seconds (0: no
+    deadline): 60 s more, so that the watchdog (stacks, exit 124) always fires first on a
+    collective relign waits on; 30 minutes without a deadline, as before."""
+    return timedelta(seconds=wait_timeout + 60.0) if wait_timeout > 0 else timedelta(minutes=30)
 
 
 _SIZES = {"tp": 1, "cp": 1}
@@ -129,7 +142,19 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def _all_reduce(t: torch.Tensor, op, group=None) -> torch.Tensor:
+def _on_host(out: torch.Tensor) -> torch.Tensor:
+    """``out`` once the CPU has waited for the work that writes it. On NCCL a collective returns
+    once it is enqueued, and its ``wait()`` only makes the current CUDA stream wait: the CPU
+    would block later, at the copy back or the caller's ``.item()``, outside the watched block,
+    and a dead rank would hang the others with no stacks. Synchronizing the stream inside the
+    block is that wait (it also covers any earlier collective the stream waits on: FSDP2's,
+    which relign does not call itself). On the CPU (gloo) there is nothing left to wait for."""
+    if out.is_cuda:
+        torch.cuda.current_stream(out.device).synchronize()
+    return out
+
+
+def _all_reduce(t: torch.Tensor, op, group=None, host: bool = True) -> torch.Tensor:
     if not is_initialized():
         return t
     out = t.detach().clone()
@@ -138,21 +163,28 @@ def _all_reduce(t: torch.Tensor, op, group=None) -> torch.Tensor:
     if moved:
         out = out.cuda()
     with watchdog.waiting("a collective (all_reduce) with the other ranks"):
-        dist.all_reduce(out, op=op, group=group)
-    return out.to(t.device) if moved else out
+        dist.all_reduce(out, op=op, group=group, async_op=True).wait()  # gloo: the whole wait; NCCL: the stream's
+        if moved:
+            return out.to(t.device)  # the copy back: the CPU waits for the sum here
+        return _on_host(out) if host else out
 
 
-def all_reduce_sum(t: torch.Tensor, group: Any = "dp") -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, group: Any = "dp", *, host: bool = True) -> torch.Tensor:
     """Sum over the data-parallel ranks (``group="world"``: over all ranks; or a process group
     itself, a mesh dimension's ``get_group()``); a new tensor, identity on one process. The tp
     ranks of a replica compute the same per-row results, so a sum of those runs over dp, once per
-    replica."""
+    replica.
+
+    The sum is finished when this returns (the CPU waited for it under the watchdog), so the
+    caller's ``.item()`` cannot block. ``host=False``: a sum that only feeds the next kernels (a
+    forward's, inside the model): on CUDA the stream waits for it and the CPU goes on."""
     if not is_initialized():
         return t
-    return _all_reduce(t, dist.ReduceOp.SUM, _group(group) if isinstance(group, str) else group)
+    return _all_reduce(t, dist.ReduceOp.SUM, _group(group) if isinstance(group, str) else group, host)
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """Max over all ranks; finished when this returns (as ``all_reduce_sum``)."""
     return _all_reduce(t, dist.ReduceOp.MAX) if is_initialized() else t
 
 
@@ -171,6 +203,8 @@ def lockstep(parts: list, filler) -> list[tuple[Any, bool]]:
 
 def barrier() -> None:
     if is_initialized():
+        # NCCL's barrier is an all-reduce on a dummy tensor whose wait() synchronizes the stream
+        # on the CPU: the whole wait is inside the block (and gloo's is the call)
         with watchdog.waiting("a collective (barrier) with the other ranks"):
             dist.barrier()
 
@@ -183,6 +217,8 @@ def all_gather_object(obj, group: str = "world"):
         return [obj]
     pg = _group(group)
     out = [None] * (world_size() if pg is None else dist.get_world_size(pg))
+    # on NCCL too every wait is inside the call: it reads the sizes with .item() and copies
+    # each rank's bytes back to the CPU
     with watchdog.waiting("a collective (all_gather_object) with the other ranks"):
         dist.all_gather_object(out, obj, group=pg)
     return out
@@ -211,8 +247,15 @@ def on_main_for_all(fn):
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a (possibly FSDP-sharded DTensor) parameter; a collective when sharded."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    """The whole tensor of a (possibly FSDP-sharded DTensor) parameter; a collective when sharded,
+    finished when this returns (its wait under the watchdog, as ``all_reduce_sum``)."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    with watchdog.waiting("a collective (full_tensor: gathering a sharded tensor) with the other ranks"):
+        out = t.full_tensor()
+        if hasattr(out, "wait"):  # an AsyncCollectiveTensor: the gather still in flight
+            out = out.wait()
+        return _on_host(out)
 
 
 def _layer_classes(model: torch.nn.Module) -> set[str]:

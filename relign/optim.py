@@ -7,7 +7,7 @@ import math
 import torch
 from torch.distributed.tensor import Replicate
 
-from . import distributed
+from . import distributed, watchdog
 from .config import SCHEDULES
 from .errors import ConfigError
 
@@ -66,17 +66,22 @@ def clip_gradients(params, max_norm: float) -> float:
     Each parameter's norm is accumulated in float64: the float32 norm of a gradient with 10^5
     entries is off by ~1e-5 relative (rounding of the summed squares), which is both a worse
     metric and enough to make a 1-rank and a 2-rank run report different norms for the same
-    gradients (each rank sums only its shard)."""
+    gradients (each rank sums only its shard).
+
+    Under FSDP the norm is a sum over the ranks that DTensor issues itself, wherever a partial
+    sum meets a whole tensor (gloo waits there, NCCL at the float): the whole computation runs
+    under the watchdog, so a rank that never arrives ends the run with the stacks."""
     params = [p for p in params if p.grad is not None]
     if not params:
         return 0.0
-    if distributed.mesh() is not None:
-        return _clip_on_mesh(params, max_norm)
-    norms = [torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float64) for p in params]
-    total = torch.linalg.vector_norm(torch.stack(norms), 2.0).float()  # a DTensor under FSDP
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+    with watchdog.waiting("a collective (the gradient norm, summed over the ranks' shards) with the other ranks"):
+        if distributed.mesh() is not None:
+            return _clip_on_mesh(params, max_norm)
+        norms = [torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float64) for p in params]
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0).float()  # a DTensor under FSDP
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return float(distributed.full_tensor(total))  # the last gather, waited on before the host reads it
 
 
 def grad_norm_on_mesh(grads) -> torch.Tensor:

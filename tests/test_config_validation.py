@@ -95,7 +95,7 @@ CASES = [  # (recipe, base overrides, bad override(s), the exact message)
     (sft, SFT, ["data.max_rows=-1"], "bad value for 'data.max_rows': -1; it must be >= 0"),
     (sft, SFT, ["checkpoint.save_every=-1"], "bad value for 'checkpoint.save_every': -1; it must be >= 0"),
     (sft, SFT, ["model.lora.enabled=true", "model.lora.r=0"], "bad value for 'model.lora.r': 0; it must be >= 1"),
-    (sft, SFT, ["model.dtype=fp8"], "bad value for 'model.dtype': 'fp8'; choose one of fp32, float32, bf16, bfloat16, bf16-mixed"),
+    (sft, SFT, ["model.dtype=fp8"], "bad value for 'model.dtype': 'fp8'; choose one of fp32, float32, bf16, bfloat16, bf16-mixed, bf16-compute"),
     (sft, ["data.path=x.jsonl"], [], "missing value for 'model.path': give a local model folder, a hub id (org/name) "
                                      "or tiny:SIZE"),
     (sft, SFT, ["model.path=./no/such/model"], "bad value for 'model.path': './no/such/model'; no such folder (give a "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,22 +16,22 @@ from typing import Any
 import torch
 from torch.nn.modules.dropout import _DropoutNd
 
+from ..checks import COMPILE_CHOICES, check_compute_weights
 from ..errors import ConfigError
-from . import lean
-from .precision import autocast_dtype, enable_autocast
+from . import lean, precision
 from .tiny import SIZES, build_tiny_model
 
 log = logging.getLogger(__name__)
 
-# Parameter dtypes; bf16-mixed keeps fp32 parameters and computes in bf16 (models/precision.py).
+# Parameter dtypes; bf16-mixed and bf16-compute keep fp32 parameters and compute in bf16 (models/precision.py).
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "bf16-mixed": torch.float32}
+          "bf16-mixed": torch.float32, "bf16-compute": torch.float32}
 
 
 def resolve_dtype(name: str) -> torch.dtype:
     """The parameter dtype of ``model.dtype`` = ``name``."""
     if name not in DTYPES:
-        raise ConfigError(f"bad value for 'model.dtype': {name!r}; choose one of fp32, bf16, bf16-mixed")
+        raise ConfigError(f"bad value for 'model.dtype': {name!r}; choose one of fp32, bf16, bf16-mixed, bf16-compute")
     return DTYPES[name]
 
 
@@ -303,11 +304,13 @@ def load_causal_lm(
     key: str = "model.path",
 ):
     """A Hugging Face causal LM in train mode on ``device``, with its dropout off (``disable_dropout``).
-    ``dtype`` bf16-mixed: fp32 parameters, forward under bf16 autocast (``models.precision``).
+    ``dtype`` bf16-mixed: fp32 parameters, forward under bf16 autocast; bf16-compute: fp32
+    parameters, forward on bf16 copies of them (``models.precision``).
     ``lean_activations``: SwiGLU MLPs save less for backward (``models.lean``).
     ``key`` is the config key (or argument) that errors name."""
     from transformers import AutoModelForCausalLM
 
+    check_compute_weights(dtype, gradient_checkpointing)
     path = resolve_model_path(path)
     local_only = check_model_source(path, key)
     model = from_pretrained_checked(
@@ -320,8 +323,7 @@ def load_causal_lm(
         local_only=local_only,
     )
     to_device(model, device)
-    if autocast_dtype(dtype) is not None:
-        enable_autocast(model, autocast_dtype(dtype))
+    precision.enable(model, dtype)  # bf16-mixed: autocast; bf16-compute: bf16 weight copies
     # before any LoRA wrapping, so the adapter's own lora.dropout stays what the user asked
     disable_dropout(model)
     if lean_activations:
@@ -336,6 +338,77 @@ def load_causal_lm(
         model.config.use_cache = False
     model.train()
     return model
+
+
+# --------------------------------------------------------------------------- regional compile
+
+COMPILE_AUTO: dict[str, bool] = {"cpu": False, "cuda": False}
+"""``model.compile=auto`` per device type: on only where regional compile measured faster. CPU:
+off (``bench/compile_probe.py``: no gain, and minutes of compile on a small machine). CUDA: off
+until ``bench/gpu_ab.py``'s compile section measures a training micro-step faster compiled
+(docs/architecture.md, "Regional compile")."""
+_COMPILED_ATTR = "_relign_compiled"  # the compiled forward a decoder layer runs (shared by its class)
+_CACHE_KEYS = ("past_key_values", "past_key_value", "cache", "layer_past")
+_compiled_fns: dict[tuple, Any] = {}
+
+
+def compile_enabled(value: str, device: str | torch.device) -> bool:
+    """Whether ``model.compile`` = ``value`` compiles on ``device``: true, false, or auto
+    (``COMPILE_AUTO`` of the device type). OmegaConf hands a YAML true/false to a string field
+    as "True"/"False", so case does not matter."""
+    v = str(value).lower()
+    if v not in COMPILE_CHOICES:
+        raise ConfigError(f"bad value for 'model.compile': {value!r}; choose one of auto, true, false")
+    return COMPILE_AUTO.get(torch.device(device).type, False) if v == "auto" else v == "true"
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of ``model`` (or of the model inside a peft / value-model wrapper): the
+    blocks transformers lists in ``_no_split_modules``, as FSDP shards them."""
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if m is not model and type(m).__name__ in names]
+
+
+def _compiled_layer_forward(self, *args, **kwargs):
+    # A call that reads or writes a KV cache (the HF engine's prefill, generate) runs eagerly: the
+    # cache's shapes and Python objects change at every step, which would recompile every step.
+    if any(kwargs.get(k) is not None for k in _CACHE_KEYS):
+        return type(self).forward(self, *args, **kwargs)
+    return getattr(self, _COMPILED_ATTR)(self, *args, **kwargs)
+
+
+def compile_layers(model: torch.nn.Module, *, backend: str = "inductor", dynamic: bool = True) -> int:
+    """Regional ``torch.compile``: each decoder layer's forward runs compiled (``model.compile``).
+    In place; returns how many layers. The embedding, the LM head, the log-probs and the optimizer
+    stay eager.
+
+    Why per layer and not the whole model: the layers are the same code on the same shapes, so one
+    compiled function serves all of them (one graph for 24 layers, compiled once), its guards do
+    not see the model's Python around it (masks built per call, the chunked log-probs), and a
+    graph break elsewhere cannot split it. ``dynamic``: the sequence length is symbolic from the
+    first call, so micro-batches of other lengths reuse the graph. The function is the layer
+    class's ``forward`` compiled once per (class, backend, dynamic) and bound to each layer as a
+    method, so a ``deepcopy`` (an engine's replica) runs its own weights, the ``state_dict`` keys
+    are unchanged, and hooks on the layer (FSDP2's unshard and reshard) run outside the graph, as
+    torchtitan orders them. Calls with a KV cache run eagerly (``_compiled_layer_forward``)."""
+    n = 0
+    for layer in decoder_layers(model):
+        if getattr(layer, _COMPILED_ATTR, None) is not None:
+            continue
+        key = (type(layer), backend, dynamic)
+        if key not in _compiled_fns:
+            _compiled_fns[key] = torch.compile(type(layer).forward, backend=backend, dynamic=dynamic)
+        setattr(layer, _COMPILED_ATTR, _compiled_fns[key])
+        layer.forward = types.MethodType(_compiled_layer_forward, layer)
+        n += 1
+    return n
+
+
+def compiled(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s decoder layers run compiled (``compile_layers``)."""
+    return any(getattr(m, _COMPILED_ATTR, None) is not None for m in model.modules())
 
 
 def apply_lora(model, *, r: int, alpha: int, dropout: float, target_modules: list[str] | str, task_type: str = "CAUSAL_LM",

@@ -14,17 +14,35 @@ RMSNorm upcasts). Gradients reach the fp32 weights in fp32. The forward is bound
 of the module, so a ``deepcopy`` (the engine's replica under torchrun) keeps its own weights.
 Logits come out in bf16; ``relign.models.logprobs`` upcasts them a chunk at a time, so a
 150k-token vocabulary never has its fp32 logits in memory at once.
+
+``model.dtype=bf16-compute`` (optional, issue 45 item 5): fp32 master weights too, but the
+forward runs on bf16 copies of *every* parameter, without autocast (``enable_compute_weights``):
+the embedding's output, the residual stream, the norms' inputs and outputs and the logits are
+bf16, which halves the bytes of every elementwise op between the products (autocast keeps the
+residual stream and the norms in fp32: ``docs/sft.md``). The copies are made by one
+differentiable cast per parameter at each forward (``torch.func.functional_call``), so the
+gradients reach the fp32 weights in fp32 (a bf16 gradient, upcast), the optimizer and the
+checkpoints see fp32 as under bf16-mixed, and the numbers are exactly those of the model cast to
+bf16 (tested). The cast per forward replaces autocast's per-forward weight casts; it is not a
+persistent shadow copy, because an in-place fused AdamW step bumps no version counter a cache
+could watch (``rollout/fast_decode.py``). It changes the numerics on purpose, so it is a flag,
+and in this version it runs on one process (under torchrun FSDP2's own ``param_dtype`` would do
+it) without gradient checkpointing (the recompute would run outside the cast).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import types
 
 import torch
 
 MIXED = {"bf16-mixed": torch.bfloat16}
+COMPUTE = {"bf16-compute": torch.bfloat16}  # fp32 weights, the forward on bf16 copies of all of them
 ATTR = "_relign_autocast"  # the compute dtype, set on each module whose forward is wrapped
+CAST_ATTR = "_relign_compute_weights"  # True on a module whose forward runs on cast copies (bf16-compute)
+_CASTING = contextvars.ContextVar("relign_casting", default=False)  # inside a forward that cast the weights
 
 
 def autocast_dtype(name: str) -> torch.dtype | None:
@@ -56,6 +74,50 @@ def enable_autocast(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16)
             setattr(m, ATTR, dtype)
             m.forward = types.MethodType(_autocast_forward, m)
     return model
+
+
+def _cast_forward(self, *args, **kwargs):
+    if _CASTING.get():  # an outer forward cast the weights already (the LM's forward calls its backbone's)
+        return type(self).forward(self, *args, **kwargs)
+    from torch.func import functional_call
+
+    dtype = getattr(self, ATTR)
+    # named_parameters lists a tied weight once: its one copy serves both uses (tie_weights)
+    copies = {n: p.to(dtype) if p.is_floating_point() else p for n, p in self.named_parameters()}
+    token = _CASTING.set(True)
+    try:
+        return functional_call(self, copies, args, kwargs, tie_weights=True, strict=False)
+    finally:
+        _CASTING.reset(token)
+
+
+def enable_compute_weights(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """Run ``model``'s forward, and its decoder stack's, on ``dtype`` copies of all its parameters
+    (``model.dtype=bf16-compute``). In place; returns ``model``. Call before LoRA wrapping: the
+    adapter's own weights are cast too, as they are the model's parameters at call time. Code that
+    runs the modules one by one (the HF engine's decode step, ``autocast_of``) computes as
+    bf16-mixed does, with the model's compute dtype."""
+    for m in (model, _backbone(model)):
+        if m is not None:
+            setattr(m, ATTR, dtype)
+            setattr(m, CAST_ATTR, True)
+            m.forward = types.MethodType(_cast_forward, m)
+    return model
+
+
+def enable(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    """``model.dtype`` = ``name``'s compute mode on ``model``: autocast (bf16-mixed), cast weights
+    (bf16-compute), or nothing (fp32, bf16: the parameters' own dtype)."""
+    if name in MIXED:
+        return enable_autocast(model, MIXED[name])
+    if name in COMPUTE:
+        return enable_compute_weights(model, COMPUTE[name])
+    return model
+
+
+def compute_weights(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or a module in it) runs on cast weight copies (``model.dtype=bf16-compute``)."""
+    return any(getattr(m, CAST_ATTR, False) for m in model.modules())
 
 
 def compute_dtype(model: torch.nn.Module) -> torch.dtype:

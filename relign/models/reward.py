@@ -24,7 +24,7 @@ from ..data.preference import encode_prompt_response
 from . import lean
 from .loading import _check_source, disable_dropout, load_causal_lm, load_tokenizer, resolve_dtype, resolve_model_path, to_device
 from .logprobs import right_pad
-from .precision import autocast_dtype, enable_autocast
+from . import precision
 
 VERIFIER_TEMPLATE = "Problem:\n{problem}\n\nSolution:\n{solution}\n\nIs the answer correct? Answer Yes or No."
 """The verifier's question. Training data (``recipes.verifier``) and scoring both use it."""
@@ -85,8 +85,7 @@ def load_reward_model(path: str, *, dtype: str = "fp32", attn_implementation: st
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     to_device(model, device)
-    if autocast_dtype(dtype) is not None:
-        enable_autocast(model, autocast_dtype(dtype))
+    precision.enable(model, dtype)
     if lean_activations:
         lean.lean_activations(model)
     return model.train()

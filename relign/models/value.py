@@ -46,7 +46,8 @@ class ValueModel(torch.nn.Module):
         aligns a chunk's values itself: its first target's state is the previous chunk's)."""
         out = _backbone(self.lm)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        v = self.head(h).squeeze(-1).float()  # [B, T], V after reading token t
+        # the head's dtype: a bf16-compute backbone hands back bf16 hidden states
+        v = self.head(h.to(self.head.weight.dtype)).squeeze(-1).float()  # [B, T], V after reading token t
         return torch.nn.functional.pad(v[:, :-1], (1, 0), value=0.0) if shifted else v
 
     def save_pretrained(self, path, safe_serialization: bool = True, state_dict=None) -> None:

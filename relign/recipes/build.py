@@ -25,7 +25,9 @@ from ..envs.rewards import RewardPool
 from ..envs.reader_rules import RuleReader
 from ..envs.tasks import build_task, render_prompt
 from ..evaluate import PeriodicEval
-from ..models.loading import apply_lora, load_causal_lm, load_tokenizer, resolve_model_path
+from ..models.loading import (
+    apply_lora, compile_enabled, compile_layers, load_causal_lm, load_tokenizer, resolve_model_path
+)
 from ..models.precision import compute_dtype
 from ..models.reader import Forecaster, LMReader, ReaderScorer
 from ..models.reward import load_reward_model, load_scorer
@@ -42,14 +44,28 @@ if TYPE_CHECKING:  # the config classes of the recipes that call these
     from .rl_config import EvalDuringTrainingConfig, LearnedRewardConfig, RolloutConfig
 
 
+def _lean(m: ModelConfig, device) -> bool:
+    """``model.lean_activations``, off under ``model.compile`` (inductor's partitioner picks what to
+    recompute for the backward itself, and the lean autograd functions would be opaque to it)."""
+    return m.lean_activations and not compile_enabled(m.compile, device)
+
+
+def _compile(model: torch.nn.Module, m: ModelConfig, device) -> torch.nn.Module:
+    """``model.compile``: each decoder layer compiled (``models.loading.compile_layers``), after
+    LoRA wrapping and before FSDP."""
+    if compile_enabled(m.compile, device):
+        compile_layers(model)
+    return model
+
+
 def load_policy(m: ModelConfig, device) -> torch.nn.Module:
     """The trainable policy: ``model.path`` (+ a LoRA adapter), in train mode, dropout off."""
     model = load_causal_lm(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
                            trust_remote_code=m.trust_remote_code, gradient_checkpointing=m.gradient_checkpointing,
-                           lean_activations=m.lean_activations, device=device)
+                           lean_activations=_lean(m, device), device=device)
     if m.lora.enabled:
         model = apply_lora(model, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout, target_modules=m.lora.target_modules)
-    return model
+    return _compile(model, m, device)
 
 
 def load_reward(m: ModelConfig, device, pad_token_id: int) -> torch.nn.Module:
@@ -57,26 +73,26 @@ def load_reward(m: ModelConfig, device, pad_token_id: int) -> torch.nn.Module:
     with one output (+ a LoRA adapter, beside which the new score head trains in full)."""
     model = load_reward_model(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
                               trust_remote_code=m.trust_remote_code, gradient_checkpointing=m.gradient_checkpointing,
-                              lean_activations=m.lean_activations, pad_token_id=pad_token_id, device=device)
+                              lean_activations=_lean(m, device), pad_token_id=pad_token_id, device=device)
     if m.lora.enabled:
         model = apply_lora(model, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout, target_modules=m.lora.target_modules,
                            task_type="SEQ_CLS", modules_to_save=["score"])
-    return model
+    return _compile(model, m, device)
 
 
 def load_frozen(path: str, m: ModelConfig, device, key: str = "model.path") -> torch.nn.Module:
     """A frozen copy of a causal LM (the reference policy): eval mode, no gradients."""
     model = load_causal_lm(path, dtype=m.dtype, attn_implementation=m.attn_implementation,
                            trust_remote_code=m.trust_remote_code, device=device, key=key)
-    return model.eval().requires_grad_(False)
+    return _compile(model.eval().requires_grad_(False), m, device)
 
 
 def load_critic(path: str, m: ModelConfig, device, key: str = "model.path") -> ValueModel:
     """A value model V(s_t): the causal LM at ``path`` with a zero-initialized scalar head."""
-    return ValueModel(load_causal_lm(path, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                                     trust_remote_code=m.trust_remote_code,
-                                     gradient_checkpointing=m.gradient_checkpointing,
-                                     lean_activations=m.lean_activations, device=device, key=key))
+    return _compile(ValueModel(load_causal_lm(path, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                                              trust_remote_code=m.trust_remote_code,
+                                              gradient_checkpointing=m.gradient_checkpointing,
+                                              lean_activations=_lean(m, device), device=device, key=key)), m, device)
 
 
 def tracker_for(lg: LoggingConfig, run_dir, *, total_steps: int, start_step: int = 0, desc: str,

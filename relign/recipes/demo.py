@@ -406,7 +406,7 @@ def train(cfg: Config) -> RunResult:
 def _stage_logging(lg: LoggingConfig) -> dict[str, Any]:
     """The stages log as the demo does (W&B's run name is each stage's own)."""
     return {"logging.progress": lg.progress, "logging.tensorboard": lg.tensorboard, "logging.wandb": lg.wandb,
-            "logging.wandb_project": lg.wandb_project}
+            "logging.wandb_project": lg.wandb_project, "logging.peak_tflops": lg.peak_tflops}
 
 
 def _data_line(d: DemoConfig, data: dict[str, Any]) -> str:

@@ -37,6 +37,8 @@ from ..checkpoint import (
 from ..data.collate import StepSampler
 from ..errors import ConfigError
 from ..models.cp import enable_ulysses
+from ..models.flops import mfu as flops_mfu
+from ..models.flops import peak_flops
 from ..models.loading import resolve_device, trainable_parameters
 from ..models.precision import mixed_dtype
 from ..models.tp import apply_tp
@@ -55,6 +57,8 @@ class Run:
     run_dir: Path
     device: torch.device
     t_start: float = field(default_factory=time.perf_counter)
+    peak: float | None = None
+    """Peak FLOP/s of one device (``logging.peak_tflops`` or the GPU's name), None when unknown: no ``perf/mfu``."""
 
     @property
     def rank(self) -> int:
@@ -90,7 +94,7 @@ def open(cfg: Any, recipe: str, *, check: Callable[[Any], Any] | None = None, se
     device, every random stream seeded (``seed``, default ``cfg.seed``), and the run directory
     (a fresh one unless resuming the same run: ``relign.rundir``). A collective under torchrun."""
     t_start = time.perf_counter()
-    distributed.init()
+    distributed.init(wait_timeout=getattr(getattr(cfg, "rollout", None), "wait_timeout", 0.0))  # rl's deadline
     par = getattr(cfg, "parallel", None)  # the trainers' (dp, cp, tp) mesh; eval, rest and demo have none
     if par is not None:
         if par.cp_size > 1 and recipe not in ("sft", "rl", "dpo"):
@@ -104,7 +108,7 @@ def open(cfg: Any, recipe: str, *, check: Callable[[Any], Any] | None = None, se
     device = resolve_device(cfg.device)
     seed_everything(cfg.seed if seed is None else seed)
     run_dir = open_run(cfg, recipe, config_name=config_name)
-    return Run(cfg, recipe, run_dir, device, t_start)
+    return Run(cfg, recipe, run_dir, device, t_start, peak_flops(device, cfg.logging.peak_tflops))
 
 
 def checkpoint_to_resume(run: Run) -> Path | None:
@@ -218,6 +222,13 @@ def optimizer_step(t: Trainer, max_grad_norm: float) -> dict[str, float]:
     t.scheduler.step()
     t.optimizer.zero_grad(set_to_none=True)
     return {"train/grad_norm": grad_norm, "train/lr": lr}
+
+
+def mfu(run: Run, flops: float, seconds: float) -> dict[str, float]:
+    """``perf/mfu``: ``flops``, the model FLOPs all ranks did (``models.flops``), over ``seconds``
+    on every device at its peak; nothing when the peak is unknown (a CPU without
+    ``logging.peak_tflops``): an absent metric, not a 0 that reads as a measurement."""
+    return flops_mfu(flops, seconds, run.peak, devices=distributed.world_size())
 
 
 def epoch(t: Trainer) -> float:

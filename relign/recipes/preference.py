@@ -42,6 +42,7 @@ from ..config import BatchFields, ConfigError, OptimConfig, PreferenceDataConfig
 from ..data.collate import chunks, shard
 from ..data.preference import TRUNCATION, UnpairedExample
 from ..models import varlen
+from ..models.flops import ModelFlops, model_flops
 from ..models.loading import load_causal_lm, load_model_tokenizer
 from . import RunResult, build, frame
 from .pairs import add_sums, average_sums, by_positions, collate_pairs, collate_unpaired, load_examples, sequence_logps
@@ -444,6 +445,23 @@ def _load_sets(cfg: Config, tok) -> tuple[dict[str, list], dict[str, float]]:
     return sets, data_metrics
 
 
+def step_flops(shape: ModelFlops | None, sets: dict[str, list], idx: list[int], *, kto: bool, share: bool) -> float:
+    """Model FLOPs of one training step on the rows ``idx`` (``models.flops``): forward and
+    backward of each pair (its prompt once when the run shares it, the LM head at the response
+    tokens), or of each KTO row plus the no-grad forward of its mismatched pair (the reference
+    point z0)."""
+    if shape is None:
+        return 0.0
+    def row(e) -> float:  # a KTO row: causal on its own, the LM head at its completion
+        return shape.sequence(len(e), sum(e.loss_mask[1:]))
+
+    if kto:
+        return sum(3 * row(sets["train"][i]) + row(sets["train_kl"][i]) for i in idx)
+    pairs = [sets["train"][i] for i in idx]
+    return sum(3 * shape.group(e.prompt_len, (len(e.chosen_ids) - e.prompt_len, len(e.rejected_ids) - e.prompt_len),
+                               shared=share) for e in pairs)
+
+
 def train(cfg: Config) -> RunResult:
     run = frame.open(cfg, "dpo", check=_check)
     kto, m = cfg.loss == "kto", cfg.model
@@ -470,10 +488,11 @@ def train(cfg: Config) -> RunResult:
     losses = (KtoLosses if kto else PairLosses)(cfg, t.model, sets, reference, pad_id=tok.pad_token_id, device=run.device,
                                                 packed=pack, share=share)
     bar = ("train/loss", "train/kl", "train/rewards/desirable", "train/rewards/undesirable") if kto else \
-        ("train/loss", "train/rewards/accuracy", "train/rewards/margins", "perf/pairs_per_s")
+        ("train/loss", "train/rewards/accuracy", "train/rewards/margins", "perf/pairs_per_s", "perf/mfu")
     # a fresh run's step 0 also logs the reference precompute's time (0: none, or read from the run's cache)
     tracker = frame.tracker(run, t, desc=cfg.loss, bar_keys=bar, first=data_metrics | {"time/reference_s": ref_seconds})
     metrics: dict[str, float] = {}
+    shape = model_flops(policy)
     for step in frame.steps(t):
         t0 = time.perf_counter()
         mine = shard(t.sampler.next(), run.rank, run.world)
@@ -490,9 +509,12 @@ def train(cfg: Config) -> RunResult:
             add_sums(sums, {"loss_sum": per_pair, **met})
         step_metrics = frame.optimizer_step(t, cfg.optim.max_grad_norm)
         seconds = time.perf_counter() - t0
-        tokens = distributed.all_reduce_sum(torch.tensor(tokens, device=run.device)).item()
+        work = torch.tensor([tokens, step_flops(shape, sets, mine, kto=kto, share=share)], dtype=torch.float64,
+                            device=run.device)
+        tokens, flops = distributed.all_reduce_sum(work).tolist()
         metrics = {**losses.average(sums, float(len(mine)), "train/"), **step_metrics, "train/epoch": frame.epoch(t),
-                   "perf/tokens_per_s": tokens / max(seconds, 1e-9), "perf/pairs_per_s": cfg.batch_size / max(seconds, 1e-9)}
+                   "perf/tokens_per_s": tokens / max(seconds, 1e-9), "perf/pairs_per_s": cfg.batch_size / max(seconds, 1e-9),
+                   **frame.mfu(run, flops, seconds)}
         if kto:
             metrics["train/kl"] = float(z0)
         if eval_set and frame.eval_due(step, cfg.eval_every, total_steps):

@@ -35,6 +35,7 @@ from ..checks import (
 from ..config import BatchFields, ConfigError, OptimConfig, PreferenceDataConfig
 from ..data.collate import chunks, shard
 from ..data.preference import TRUNCATION
+from ..models.flops import ModelFlops, model_flops
 from ..models.loading import load_model_tokenizer
 from ..models.logprobs import right_pad
 from ..models.reward import sequence_rewards
@@ -73,6 +74,17 @@ def _check(cfg: Config) -> None:
 
 # Logged names of the loss's per-pair values, where they differ.
 METRIC_NAMES = {"margins": "rewards/margins"}
+
+
+def step_flops(shape: ModelFlops | None, examples: list) -> float:
+    """Model FLOPs of training on ``examples`` (``models.flops``): forward and backward of each
+    full row (a pair's two, a point's one); the scalar head is a few FLOPs, not counted."""
+    if shape is None:
+        return 0.0
+    def rows(e) -> tuple[int, ...]:
+        return (len(e.chosen_ids), len(e.rejected_ids)) if hasattr(e, "chosen_ids") else (len(e.input_ids),)
+
+    return sum(3 * shape.sequence(n, 0) for e in examples for n in rows(e))
 
 
 def pair_rewards(model, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,8 +154,9 @@ def train(cfg: Config) -> RunResult:
     save = frame.saver(run, t, tok)
     losses = (PointLosses if bce else PairLosses)(cfg, t.model, tok.pad_token_id, run.device)
     tracker = frame.tracker(run, t, desc="rm", first=data_metrics,
-                            bar_keys=("train/loss", "train/accuracy", "train/rewards/margins", "eval/accuracy"))
+                            bar_keys=("train/loss", "train/accuracy", "train/rewards/margins", "eval/accuracy", "perf/mfu"))
     metrics: dict[str, float] = {}
+    shape = model_flops(model)
     for step in frame.steps(t):
         t0 = time.perf_counter()
         mine = shard(t.sampler.next(), run.rank, run.world)
@@ -155,7 +168,10 @@ def train(cfg: Config) -> RunResult:
         step_metrics = frame.optimizer_step(t, cfg.optim.max_grad_norm)
         seconds = time.perf_counter() - t0
         metrics = average_sums(sums, len(mine), "train/", device=run.device, names=METRIC_NAMES)
-        metrics.update({**step_metrics, "perf/pairs_per_s": cfg.batch_size / max(seconds, 1e-9), "train/epoch": frame.epoch(t)})
+        flops = distributed.all_reduce_sum(torch.tensor(step_flops(shape, [train_set[i] for i in mine]), dtype=torch.float64,
+                                                        device=run.device)).item()
+        metrics.update({**step_metrics, "perf/pairs_per_s": cfg.batch_size / max(seconds, 1e-9), "train/epoch": frame.epoch(t),
+                        **frame.mfu(run, flops, seconds)})
         if eval_set and frame.eval_due(step, cfg.eval_every, total_steps):
             metrics.update(losses.evaluate(eval_set))
         frame.log(run, tracker, save, step, metrics)

@@ -16,7 +16,8 @@
         6. updates      ppo_epochs x mini_batches optimizer steps of the clipped policy loss
                         (+ KL, entropy), and of the clipped value loss for the critic
         7. weight sync  to the engine (nothing to copy when the engine shares the policy), then the
-                        sync check: engine and trainer score a fixed probe, the same or the run stops
+                        sync check: the engine's weight fingerprint must equal the trainer's, and
+                        both score a fixed probe alike, or the run stops
 
 Under torchrun every rank samples its share of the prompts, the groups are gathered, and the
 sequences are balanced over ranks and micro-batches by token count (``rl_update``). Presets in
@@ -44,6 +45,7 @@ from ..checkpoint import gather_train_state, load_checkpoint, load_model_weights
 from ..data.collate import StepSampler
 from ..evaluate import PeriodicEval
 from ..models import varlen
+from ..models.flops import ModelFlops, model_flops
 from ..models.loading import load_model_tokenizer, trainable_parameters
 from ..models.value import ValueModel
 from ..optim import build_optimizer
@@ -154,7 +156,8 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
     if cfg.eval.every and distributed.is_main():  # held-out accuracy through the engine (rank 0)
         evaluator = build.evaluator_for(cfg.eval, t, ro, tok, run.run_dir, seed=cfg.seed)
     tracker = frame.tracker(run, tr, desc="rl", total_steps=cfg.max_steps,
-                            bar_keys=("reward/mean", "reward/score", "actor/kl", "response/length_mean", "perf/tokens_per_s"))
+                            bar_keys=("reward/mean", "reward/score", "actor/kl", "response/length_mean", "perf/tokens_per_s",
+                                      "perf/mfu"))
     kind = "packed" if pack else ("shared" if share else "padded")
     layout = Layout(kind, group_size=ro.n if share else 1, max_tokens=cfg.max_tokens_per_micro,
                     max_rows=cfg.micro_batch_size)
@@ -165,6 +168,7 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
         probe = probe_sequences([ids for _, ids, _ in collector.records])
     r = _Run(tok, tr.model, ref, critic, engine, collector, tr.sampler, tr.optimizer, tr.scheduler, critic_opt, layout,
              loss_fn, estimator, options, tracker, evaluator, tr.start, ahead, delimiter, probe)
+    _sync_check(r, cfg, tr.start)  # the weights the engine starts from (vLLM's first push): wrong ones cost no step
 
     def extra() -> tuple[dict, dict]:  # the engine's random stream, the batches in flight, the critic and its optimizer
         tensors, models = {"engine": engine.state_dict()}, {}
@@ -265,6 +269,7 @@ def train(cfg: Config) -> RunResult:
                 r.engine.load_weights(engine_weights(r.engine, r.policy))
                 sync_gap = _sync_check(r, cfg, step)
             metrics = {**_step_metrics(r, groups, batch, rewards, stats, old_logps, clock), **value_stats, **sync_gap}
+            metrics.update(trainer_mfu(run, cfg, r, batch, metrics, reference=ref_logps is not None, old=old_logps is not None))
             if ro.max_staleness > 0:  # the trained batch's own collection, not the one sampled ahead this step
                 metrics.update(staleness_metrics(version, sampled), **{"rollout/rounds": sampled.stats.get("rounds", 1.0)})
             if r.evaluator is not None and r.evaluator.due(step, cfg.max_steps):  # held-out accuracy, updated policy
@@ -311,7 +316,8 @@ def _rollout_time(clock: StageClock, sampled: list[Sampled]) -> None:
 
 
 def _sync_check(run: _Run, cfg: Config, step: int) -> dict[str, float]:
-    """The probe's engine-vs-trainer log-prob gap after the sync (rollout/sync_check.py); stops the run above the tolerance."""
+    """After the sync (rollout/sync_check.py): the weight fingerprints must agree and the probe's engine-vs-trainer
+    log-prob gap stay under the tolerance, else SyncMismatch stops the run. Returns the gap as a metric."""
     if run.probe is None:
         return {}
     gap = check_sync(run.engine, run.policy, run.probe, pad_id=run.tok.pad_token_id, tol=cfg.rollout.sync_check_tol,
@@ -438,6 +444,34 @@ def behaviour_spread(out: dict[str, float]) -> None:
     if "actor/behav_is_dev_sq_mean" in out:
         d_mean, d_sq = out.pop("actor/behav_is_dev_mean"), out.pop("actor/behav_is_dev_sq_mean")
         out["actor/behav_is_std"] = math.sqrt(max(0.0, d_sq - d_mean**2))
+
+
+def batch_flops(shape: ModelFlops, batch: RolloutBatch, layout: Layout, *, head: bool = True) -> float:
+    """Forward FLOPs of one pass over every row of ``batch`` (``models.flops``): a group's prompt
+    once where the layout shares it (shared, or packed with G > 1), the LM head (``head``) at the
+    response tokens."""
+    G = layout.group_size if layout.kind != "padded" and layout.group_size > 1 else 1
+    P, S = batch.prompt_lens.tolist(), batch.seq_lens.tolist()
+    return sum(shape.group(P[i], [S[j] - P[j] for j in range(i, i + G)], shared=G > 1, head=head)
+               for i in range(0, len(P), G))
+
+
+def trainer_mfu(run: frame.Run, cfg: Config, r: _Run, batch: RolloutBatch, metrics: dict[str, float], *, reference: bool,
+                old: bool) -> dict[str, float]:
+    """``perf/mfu`` of the step's trainer passes (the reference and old log-probs forwards, the
+    update's forwards and backwards: policy, and critic if any) over their stages' seconds; the
+    rollout and the values stage (generation for VinePPO) are not in it, as veRL's
+    ``perf/mfu/actor`` leaves them out. Groups skipped for zero advantage did not run. TRPO's
+    conjugate-gradient products are not counted: no MFU for it."""
+    shape = model_flops(r.policy)
+    if shape is None or run.peak is None or cfg.update == "trpo":
+        return {}
+    a, fwd = cfg.algorithm, batch_flops(shape, batch, r.layout)
+    flops = (reference + old) * fwd + 3 * a.ppo_epochs * fwd * (1.0 - metrics.get("actor/skipped_rows_frac", 0.0))
+    if r.critic is not None:
+        flops += 3 * a.ppo_epochs * batch_flops(shape, batch, r.layout, head=False)
+    seconds = sum(metrics.get(f"time/{k}_s", 0.0) for k in ("reference", "old_logps", "update"))
+    return frame.mfu(run, flops, seconds)
 
 
 def _skip_step(run: _Run, cfg: Config, step: int, skipped_steps: int, clock: StageClock) -> None:

@@ -52,8 +52,9 @@ class RolloutConfig(SamplingConfig):
     gains little from a second thread, and two full OpenMP teams on the same cores stall each other (on 2 CPU cores
     with 0 an overlapped step took 3x longer than with 1; BENCHMARKS.md, "Off-policy overlap")."""
     sync_check_tol: float = 0.1
-    """After every weight sync to an engine that holds its own copy (torchrun replica, vLLM, overlap=thread), the
-    engine and the trainer score a fixed probe batch; a mean |log-prob gap| above this stops the run (0 = off)."""
+    """The sync check after every weight sync to an engine that holds its own copy (torchrun replica, vLLM,
+    overlap=thread): the engine's weight fingerprint must equal the trainer's (exact: a skipped sync at any lr), and
+    both score a fixed probe; a mean |log-prob gap| above this many nats stops the run too (0 = no check at all)."""
     wait_timeout: float = 1800.0
     """Seconds any blocking wait (a collective, the reward pool, the engine, the overlap thread) may take before the
     run writes every thread's stack to the run directory and exits with an error naming the wait (0 = no limit)."""

@@ -29,6 +29,7 @@ from ..data.collate import chunks, pack_collate, pad_collate, shard, to_device
 from ..data.sft import TRUNCATION, SFTExample, build_sft_examples
 from ..data.stats import announce
 from ..models.cp import cp_token_logps
+from ..models.flops import ModelFlops, model_flops
 from ..models.loading import load_model_tokenizer
 from ..models.logprobs import token_logps
 from ..models.varlen import packed_attention
@@ -151,6 +152,14 @@ def evaluate_loss(model, examples: list[SFTExample], *, batch_size: int, pad_id:
     return (nll / count.clamp_min(1)).item()
 
 
+def train_flops(shape: ModelFlops | None, examples: list[SFTExample]) -> float:
+    """Model FLOPs of training on ``examples`` (``models.flops``): forward and backward, each
+    example causal on its own, the LM head only where a target is scored (not on the prompt)."""
+    if shape is None:
+        return 0.0
+    return sum(3 * shape.sequence(len(e), sum(e.loss_mask[1:])) for e in examples)
+
+
 def train(cfg: Config, *, desc: str = "sft") -> RunResult:
     """``desc`` labels the progress bars (the verifier recipe trains through this loop)."""
     run = frame.open(cfg, "sft", check=_check)
@@ -170,8 +179,9 @@ def train(cfg: Config, *, desc: str = "sft") -> RunResult:
     t = frame.trainable(run, model, ckpt=frame.checkpoint_to_resume(run), rows=len(train_set), batch_size=cfg.batch_size,
                         total_steps=total_steps)
     save = frame.saver(run, t, tok)
-    tracker = frame.tracker(run, t, desc=desc, bar_keys=("train/loss", "train/lr", "perf/tokens_per_s", "eval/loss"),
-                            first=data_metrics)
+    tracker = frame.tracker(run, t, desc=desc, bar_keys=("train/loss", "train/lr", "perf/tokens_per_s", "perf/mfu",
+                                                        "eval/loss"), first=data_metrics)
+    shape = model_flops(model)
     metrics: dict[str, float] = {}
     for step in frame.steps(t):
         t0 = time.perf_counter()
@@ -182,10 +192,12 @@ def train(cfg: Config, *, desc: str = "sft") -> RunResult:
         # each cp rank's loss covers its chunks' tokens: the step's loss sums over dp and cp
         metrics = {"train/loss": distributed.all_reduce_sum(loss_sum, group="dp_cp").item(),
                    **frame.optimizer_step(t, o.max_grad_norm)}
-        tokens = distributed.all_reduce_sum(torch.tensor(float(sum(len(e) for e in mine)), device=run.device)).item()
+        work = torch.tensor([float(sum(len(e) for e in mine)), train_flops(shape, mine)], dtype=torch.float64,
+                            device=run.device)
+        tokens, flops = distributed.all_reduce_sum(work).tolist()
         seconds = time.perf_counter() - t0
         metrics.update({"train/epoch": frame.epoch(t), "perf/tokens": tokens, "perf/tokens_per_s": tokens / max(seconds, 1e-9),
-                        "perf/step_seconds": seconds})
+                        "perf/step_seconds": seconds, **frame.mfu(run, flops, seconds)})
         if eval_set and frame.eval_due(step, cfg.eval_every, total_steps):
             metrics["eval/loss"] = evaluate_loss(t.model, eval_set, batch_size=cfg.eval_batch_size, pad_id=tok.pad_token_id,
                                                  device=run.device, progress=cfg.logging.progress, desc=desc)

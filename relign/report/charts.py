@@ -30,7 +30,7 @@ CHARTS: list[tuple[str, str, tuple[str, ...], str | None]] = [
      ("actor/behav_is_mean", "actor/behav_is_std", "actor/behav_is_max", "actor/behav_is_capped_frac",
       "actor/behav_is_masked_frac", "actor/ratio_min", "actor/ratio_max"), None),
     ("staleness", "Off-policy: staleness (updates between sampling and training)",
-     ("rollout/staleness_mean", "rollout/staleness_max"), None),
+     ("rollout/staleness",), None),
     ("reward-components", "Reward score and components", ("reward/score", "reward/*"), None),
     ("calibration", "Calibration: ECE of the reader's top answer", ("calib/ece", "eval/calib/ece"), None),
     ("eval-accuracy", "Eval accuracy", ("eval/accuracy", "eval/pass@*", "eval/maj@*", "eval/score"), None),

@@ -12,6 +12,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .fingerprint import Fingerprint
+
 ENGINES = ("hf", "vllm")  # rollout.engine: the built-in HF engine, or vLLM (relign.recipes.build.engine_for builds them)
 
 
@@ -140,6 +142,14 @@ class Engine(Protocol):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         ...
 
+    def weight_fingerprint(self) -> Fingerprint | None:
+        """Sums over a fixed slice of every weight the engine computes with, after its own cast
+        (``rollout/fingerprint.py``), or None where it cannot read them back. The RL recipe's sync
+        check compares it with the trainer's after every weight sync; an engine that returns None
+        gets the probe's log-prob check only. The default (an engine class that subclasses
+        ``Engine``): None."""
+        return None
+
     def perf_metrics(self) -> dict[str, float]:
         """The engine's own speed figures since the last call (``perf/*`` keys; the RL recipe logs
         them with each step), e.g. the HF engine's ``perf/decode_bw_frac`` on a GPU. The default
@@ -149,5 +159,5 @@ class Engine(Protocol):
     # Optional: ``score_tokens(sequences) -> list[list[float]]``, log p(x_t | x_<t) of every token
     # after the first of each sequence, at temperature 1, with the engine's own weights and kernels.
     # The RL recipe's sync check (rollout/sync_check.py) compares it with the trainer after every
-    # weight sync; an engine without it is not checked. Not part of the protocol, so an engine
+    # weight sync; an engine without it is not probed. Not part of the protocol, so an engine
     # written before it still is an ``Engine``.

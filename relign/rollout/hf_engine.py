@@ -45,6 +45,7 @@ from ..models.logprobs import kv_cache_kwargs, right_pad, token_logps
 from .engine import Completion, Engine, SamplingParams, check_generate_args, derive_seed, eos_token_ids
 from .fast_decode import (DecodePlan, FastDecoder, StaticKV, Weights, device_peaks, lora_refusal, roofline_seconds,
                           unsupported_reason)
+from .fingerprint import Fingerprint, fingerprint, output_head
 from .prefix_cache import PrefixCache
 
 
@@ -323,6 +324,12 @@ class HFEngine(Engine):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.generator.set_state(state["generator"])
+
+    def weight_fingerprint(self) -> Fingerprint:
+        """The fingerprint of the engine's own model (rollout/fingerprint.py), parameter by parameter as it
+        holds them: the decode step reads these tensors (its fused copies are made from them at every call)."""
+        head, tied = output_head(self.model)
+        return Fingerprint(fingerprint(self.model.named_parameters(), head=head, tied=tied))
 
     def score_tokens(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-probs of each sequence's tokens after the first, from one padded forward of the engine's model."""

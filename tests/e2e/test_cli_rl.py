@@ -62,7 +62,7 @@ def test_preset_runs_learns_and_resumes(preset, tiny_model_dir, tmp_path):
         for key in keys:
             assert key in r and math.isfinite(r[key]), (key, r)
         if preset == "grpo_async":  # step 2 trains on step 1's weights' samples: the gap is the policy's drift
-            assert r["rollout/staleness_max"] == r["step"] - 1 and 0 <= r["actor/behav_is_masked_frac"] <= 1
+            assert r["rollout/staleness"] == r["step"] - 1 and 0 <= r["actor/behav_is_masked_frac"] <= 1
             assert r["rollout/sync_gap"] < 1e-4  # the engine's own copy holds the trainer's weights after each sync
         if preset == "trpo":
             assert r["trpo/kl"] <= 0.01 * 1.05 and r["trpo/accepted"] in (0.0, 1.0)

@@ -142,6 +142,7 @@ def test_listeners_see_every_logged_row_in_process(tiny_model_dir, memorize_data
         remove()
     rows = read_metrics(tmp_path / "a")
     assert [s for s, _ in seen] == [r["step"] for r in rows] and len(rows) >= 3
+    assert all("perf/mfu" not in r for r in rows)  # a CPU and no logging.peak_tflops: no MFU, not a 0
     assert all(m == {k: v for k, v in r.items() if k not in ("step", "time")} for (_, m), r in zip(seen, rows))
     assert main(_args(tiny_model_dir, memorize_data, tmp_path / "b", "max_steps=1", "logging.progress=false")) in (0, None)
     assert len(seen) == len(rows)  # removed: the second run is not seen

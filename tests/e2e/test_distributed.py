@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
+import torch
 
 from relign.checkpoint import list_checkpoints
 from relign.tracking import read_metrics
@@ -171,3 +173,39 @@ def test_uneven_eval_shards_on_two_ranks(tiny_model_dir, tmp_path, recipe):
     for x, y in zip(a, b):
         for k in ("eval/loss", "train/loss", "train/grad_norm"):
             assert x[k] == pytest.approx(y[k], abs=1e-5, rel=1e-4), k
+
+
+def test_two_torchrun_agents_train_as_two_processes_of_one(tiny_model_dir, data, tmp_path):
+    """Multi-node is torchrun's own rendezvous: two agents (``--nnodes 2``, one process each,
+    ``--node_rank`` 0 and 1) meet at a c10d rendezvous on localhost, as two machines would, and
+    train exactly as ``--nproc_per_node 2`` does: the same losses, gradient norms and final
+    weights, bit for bit (the same two ranks, the same gloo sums; only the launch differs)."""
+    from safetensors.torch import load_file
+    from torch.distributed import TCPStore
+
+    common = ("max_steps=2", "batch_size=4", "micro_batch_size=1", "packing=false", "logging.progress=false")
+    two, nodes = tmp_path / "two", tmp_path / "nodes"
+    proc = _torchrun(_args(tiny_model_dir, data, two, *common))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the rendezvous store: held here on a port the OS picked (no port probed, then lost to a
+    # race); each agent first tries to host it at the endpoint, finds it taken, and joins it
+    store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=300), wait_for_workers=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+         "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{store.port}", "--rdzv_id", "relign-two-nodes",
+         "-m", "relign", *_args(tiny_model_dir, data, nodes, *common)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    try:
+        outs = [a.communicate(timeout=300) for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+        del store
+    for a, (_, err) in zip(agents, outs):
+        assert a.returncode == 0, err[-3000:]
+    assert sum(" x 2 ranks, " in out + err for out, err in outs) == 1  # one world of two: rank 0's banner, on one node
+    a, b = _losses(two), _losses(nodes)
+    assert [s for s, _ in a] == [1, 2] and a == b
+    wa, wb = (load_file(str(run / "checkpoints" / "step_2" / "model.safetensors")) for run in (two, nodes))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

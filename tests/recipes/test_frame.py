@@ -98,7 +98,7 @@ def test_killed_after_step_2_and_resumed_equals_the_straight_run(recipe, tiny_mo
     if recipe == "rl":
         assert "critic/value_loss" in after[-1] and "actor/kl" in after[-1]
     if recipe == "rl_stale":
-        assert after[-1]["rollout/staleness_max"] == 1.0 and "actor/behav_is_masked_frac" in after[-1]
+        assert after[-1]["rollout/staleness"] == 1.0 and "actor/behav_is_masked_frac" in after[-1]
     wa, wb = _weights(straight / "checkpoints" / f"step_{STEPS}"), _weights(resumed / "checkpoints" / f"step_{STEPS}")
     assert wa.keys() == wb.keys() and wa
     assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []

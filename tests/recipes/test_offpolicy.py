@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from relign.config import ConfigError, load_config
+from relign.errors import SyncMismatch
 from relign.recipes import rl
 from relign.tracking import read_metrics
 
@@ -65,8 +66,8 @@ def test_staleness_one_samples_with_the_weights_one_update_old(tiny_model_dir, t
     cfg = _cfg(tiny_model_dir, tmp_path, "rollout.max_staleness=1", f"algorithm.tis_cap={CAP}",
                "checkpoint.save_every=1")
     rows = [r for r in rl.train(cfg).history if r.get("step", 0) > 0]
-    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
-    assert [r["rollout/staleness_mean"] for r in rows] == [0.0, 1.0, 1.0]
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert not any(k.startswith("rollout/staleness_") for r in rows for k in r)  # one batch, one version: one key
 
     step2 = seen[1]
     theta0 = _logps(tiny_model_dir, step2)
@@ -200,27 +201,54 @@ def test_thread_overlap_is_refused_under_torchrun(tiny_model_dir, tmp_path, monk
         rl._check(cfg)
 
 
-def test_the_sync_check_catches_an_engine_that_missed_a_sync(tiny_model_dir, tmp_path, monkeypatch):
-    """An engine with its own weights that skips step 2's load_weights samples from stale weights:
-    the probe scored after that sync differs from the trainer's, and the run stops naming the
-    engine, the step and the gap."""
-    from relign.rollout.hf_engine import HFEngine
+# An engine that keeps the step-1 weights: the reward file (loaded in the run's own process, task.reward_workers=0)
+# makes every HFEngine.load_weights after the first copy nothing
+SKIP_AFTER_STEP_1 = """
+from relign.rollout.hf_engine import HFEngine
 
-    real, calls = HFEngine.load_weights, []
+_real, _calls = HFEngine.load_weights, []
 
-    def skip_second(self, named):
-        calls.append(1)
-        if len(calls) == 2:
-            return 0
-        return real(self, named)
 
-    monkeypatch.setattr(HFEngine, "load_weights", skip_second)
-    cfg = _cfg(tiny_model_dir, tmp_path, "rollout.max_staleness=1", "algorithm.tis_cap=2", "rollout.overlap=thread",
-               "rollout.sync_check_tol=1e-4")
-    with pytest.raises(ConfigError, match=r"HFEngine engine .* sync of step 2: mean \|log-prob gap\| on the probe"):
-        rl.train(cfg)
-    rows = [r for r in read_metrics(tmp_path / "run") if r.get("step", 0) > 0]
-    assert rows[0]["rollout/sync_gap"] < 1e-6  # step 1's sync was checked and was exact
+def _skip_after_step_1(self, named):
+    _calls.append(1)
+    return _real(self, named) if len(_calls) == 1 else 0
+
+
+HFEngine.load_weights = _skip_after_step_1
+"""
+
+
+def _sync_run(model_dir, tmp, *, skip: bool) -> tuple:
+    """rollout.overlap=thread (the HF engine holds its own copy) at lr 1e-5, the default sync_check_tol."""
+    args = [*toy_overrides(model_dir, tmp, fn="graded"), "rollout.n=4", "prompts_per_step=4", "max_steps=3",
+            "optim.lr=1e-5", "optim.warmup_steps=0", "traces_per_step=0", "checkpoint.save_final=false",
+            "rollout.max_staleness=1", "algorithm.tis_cap=2", "rollout.overlap=thread", f"run_dir={tmp / 'run'}"]
+    if skip:
+        reward = tmp / "skipping_reward.py"
+        reward.write_text(SKIP_AFTER_STEP_1 + (tmp / "toy_reward.py").read_text())
+        args = [a if not a.startswith("task.reward_fn=") else f"task.reward_fn={reward}:graded" for a in args]
+    proc = run_cli("rl", *args, check=False)
+    return proc, [r for r in read_metrics(tmp / "run") if r.get("step", 0) > 0]
+
+
+def test_the_sync_check_stops_a_skipped_sync_at_lr_1e5_with_one_line(tiny_model_dir, tmp_path):
+    """Step 2's sync copies nothing: the run stops in step 2's sync check (exit status 3, a run-time
+    failure, not a config error), with the one line docs/rl.md shows; step 1 is logged and exact."""
+    proc, rows = _sync_run(tiny_model_dir, tmp_path, skip=True)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("relign rl: error:")]
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("relign rl: error: the HFEngine engine does not hold the trainer's weights after the sync "
+                               "of step 2: the weight fingerprints differ in "), lines[0]
+    assert "a skipped load_weights" in lines[0]
+    assert [r["step"] for r in rows] == [1] and rows[0]["rollout/sync_gap"] < 1e-6
+
+
+def test_a_healthy_run_at_the_same_settings_never_stops(tiny_model_dir, tmp_path):
+    proc, rows = _sync_run(tiny_model_dir, tmp_path, skip=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout/sync_gap"] < 1e-6 for r in rows)  # the engine's copy is the trainer's, to the bit
 
 
 def test_the_sync_check_catches_a_lora_adapter_that_never_reached_the_engine(tiny_model_dir, tmp_path, monkeypatch):
@@ -232,7 +260,7 @@ def test_the_sync_check_catches_a_lora_adapter_that_never_reached_the_engine(tin
     monkeypatch.setattr(weights, "trainer_weights", lambda model: ((n, t) for n, t in real(model) if "lora_" not in n))
     cfg = _cfg(tiny_model_dir, tmp_path, "rollout.max_staleness=1", "algorithm.tis_cap=2", "rollout.overlap=thread",
                "model.lora.enabled=true", "model.lora.r=4", "optim.lr=5e-2", "max_steps=2")
-    with pytest.raises(ConfigError, match="sync of step 1"):
+    with pytest.raises(SyncMismatch, match="sync of step 1: the weight fingerprints differ in decoder layer 0, decoder layer 1 "):
         rl.train(cfg)
 
 

@@ -13,7 +13,13 @@ import torch
 from relign.config import ModelConfig
 from relign.models.loading import load_causal_lm
 from relign.recipes.build import engine_for
+from relign.errors import SyncMismatch
+from relign.recipes.rl_config import RolloutConfig
+from relign.rollout import vllm_engine
 from relign.rollout.engine import SamplingParams
+from relign.rollout.fingerprint import differing
+from relign.rollout import sync_check
+from relign.rollout.sync_check import check_sync, probe_sequences, trainer_fingerprint
 from relign.rollout.weights import checkpoint_weights
 
 TOL = 1e-4
@@ -150,6 +156,48 @@ def test_weight_sync_after_an_optimizer_step(setup, vllm_model_dir):
         engine.load_weights(checkpoint_weights(old))
 
 
+def test_the_sync_check_passes_a_synced_engine_and_stops_one_that_missed_an_update(setup, vllm_model_dir, monkeypatch):
+    """The sync check at the default rollout.sync_check_tol. After a sync the engine's fingerprint
+    (its packed CPU matrices read back through their kernels, q/k/v and gate/up fused, the tied
+    head's own packed copy) equals the trainer's. One AdamW step at lr 1e-5 that the engine did not
+    receive moves every group's fingerprint, while the probe's log-prob gap stays far below the
+    tolerance (the probe alone let it pass). A sync that leaves the tied head's packed copy stale
+    is seen in that group alone."""
+    tok, old, engine = setup
+    policy = load_causal_lm(str(vllm_model_dir))
+    probe = probe_sequences(_prompts(tok, 2))
+    tol = RolloutConfig().sync_check_tol
+
+    def check(step: int) -> float:
+        return check_sync(engine, policy, probe, pad_id=tok.pad_token_id, tol=tol, step=step)
+
+    try:
+        assert check(0) < TOL
+        opt = torch.optim.AdamW(policy.parameters(), lr=1e-5)
+        batch = torch.tensor([probe[0]])
+        policy(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        with pytest.raises(SyncMismatch, match=r"^the VLLMEngine engine does not hold the trainer's weights after the "
+                                               r"sync of step 1: the weight fingerprints differ in output head, other "
+                                               r"weights, decoder layer 0 and 3 more"):
+            check(1)
+        fp = engine.weight_fingerprint()
+        mine = trainer_fingerprint(policy, "checkpoint", fp.dtype)
+        assert len(mine) == 6 and set(differing(fp.groups, mine)) == set(mine)
+        probe_gap = sync_check.gap(engine.score_tokens(probe), sync_check.trainer_logps(policy.eval(), probe, tok.pad_token_id))
+        assert probe_gap < tol  # 0.027 here, though the step trained on the probe itself
+
+        monkeypatch.setattr(vllm_engine, "_repack_tied_head", lambda worker: False)
+        engine.load_weights(checkpoint_weights(policy))
+        with pytest.raises(SyncMismatch, match=r"step 2: the weight fingerprints differ in output head \(output head: "):
+            check(2)
+        monkeypatch.undo()
+        engine.load_weights(checkpoint_weights(policy))
+        assert check(3) < TOL
+    finally:
+        engine.load_weights(checkpoint_weights(old))
+
+
 def test_lora_policy_is_pushed_merged(setup, vllm_model_dir):
     from relign.models.loading import apply_lora
 
@@ -169,6 +217,9 @@ def test_lora_policy_is_pushed_merged(setup, vllm_model_dir):
         assert max_gap(policy, prompts, outs) < TOL
         with policy.disable_adapter():  # the adapter really changes the model
             assert max_gap(policy, prompts, outs) > 1e-2
+        fp = engine.weight_fingerprint()  # the sync check's trainer side merges the adapter as the sync does
+        assert differing(fp.groups, trainer_fingerprint(policy, "checkpoint", fp.dtype)) == []
+        assert len(differing(fp.groups, trainer_fingerprint(base, "checkpoint", fp.dtype))) == 4  # its 4 layers
     finally:
         engine.load_weights(checkpoint_weights(base))
 
