@@ -3,8 +3,9 @@ step eager, under a CUDA graph, compiled under a graph, under ``torch.compile(mo
 and transformers' own ``StaticCache`` with a compiled forward (``llm_optims``'s pattern), P5 of
 ``specs/gpu_speed.md``.
 
-On a GPU: the Qwen2.5-0.5B shape of ``bench/gpu_checks.py`` (random init, bf16 weights, the tiny
-local tokenizer), prompts of 128 random token ids, exactly 512 new tokens (``ignore_eos``), greedy,
+On a GPU: the Qwen2.5-0.5B shape of ``bench/gpu_checks.py`` (random init, bf16 weights;
+``bench/ab/common.py``'s model, built once for every section), prompts of 128 random token ids
+(no tokenizer: ``IdsTokenizer``), exactly 512 new tokens (``ignore_eos``), greedy,
 at 64, 128 and 256 rows. Per case: tokens/s of a steady call (prefill included, as gpu_checks'
 decode row), the first call's extra seconds (the capture or the compile) apart, the engine's own
 ``perf/decode_bw_frac`` and this script's fraction of the roofline bound, max(bytes / bandwidth,
@@ -14,7 +15,7 @@ rounds the full-width attention and the products of another batch layout differe
 model's near-tied logits can part). The cases run most useful first, each only when the budget
 still holds its estimate, so a short cap keeps the graph at 64 rows and today's loop.
 
-At ``smoke`` (the suite, a CPU): ``gpu_checks.SMOKE``'s shape in fp32, 4 and 8 rows x 12 tokens,
+At ``smoke`` (the suite, a CPU): ``gpu_checks.SMOKE``'s shape in fp32, 6 rows (a bucket of 8) x 12 tokens,
 the eager cases only (graphs need CUDA; compiling on a CPU takes minutes), tokens checked equal.
 
 The decision the issue asks for (relign's step or the library's, within 10%) waits for these figures.
@@ -23,36 +24,29 @@ The decision the issue asks for (relign's step or the library's, within 10%) wai
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import random
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from bench import gpu_checks
+from bench.ab.common import model_dir
 
 PROMPT_LEN, NEW_TOKENS, ROWS = 128, 512, (64, 128, 256)
-SMOKE_PROMPT_LEN, SMOKE_NEW_TOKENS, SMOKE_ROWS = 6, 12, (4, 8)
-_built: dict[bool, tuple[Path, int]] = {}
+SMOKE_PROMPT_LEN, SMOKE_NEW_TOKENS, SMOKE_ROWS = 6, 12, (6,)  # 6 rows: a bucket of 8, 2 of them fillers
+PARTIAL: dict = {}  # the results so far, which bench/gpu_ab.py keeps if the section runs past its cap
 
 
-def model_dir(smoke: bool) -> tuple[Path, int]:
-    """(folder, parameters) of the random model, built once per process (bench/ab/common.py's when present)."""
-    try:
-        common = importlib.import_module("bench.ab.common")
-    except ModuleNotFoundError as e:
-        if e.name != "bench.ab.common":
-            raise
-        common = None
-    if common is not None:
-        return common.model_dir(smoke)
-    if smoke not in _built:
-        out = Path(tempfile.mkdtemp(prefix="relign-ab-decode-")) / "model"
-        _built[smoke] = (out, gpu_checks.build_model(out, gpu_checks.SMOKE if smoke else gpu_checks.QWEN05))
-    return _built[smoke]
+class IdsTokenizer:
+    """What the HF engine asks of a tokenizer when prompts are token ids: the special ids and a decode
+    (the section's model is built without a tokenizer: bench/ab/common.py)."""
+
+    def __init__(self, config):
+        self.eos_token_id, self.pad_token_id = config.eos_token_id, config.pad_token_id
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
 
 
 def sync(device: str) -> None:
@@ -68,6 +62,12 @@ def reset_peak(device: str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+
+
+def random_prompts(rows: int, length: int, seed: int) -> list[list[int]]:
+    """Token ids among the tiny tokenizer's 4,096 (what gpu_checks' prompts use), past its special ids."""
+    rng = random.Random(seed)
+    return [[rng.randrange(8, 4096) for _ in range(length)] for _ in range(rows)]
 
 
 def plans(device: str) -> dict:
@@ -148,8 +148,7 @@ def hf_static_generate(model, prompts: list[list[int]], T: int, *, pad: int, com
 
 
 def run(smoke: bool, device: str, budget_s: float) -> dict:
-    from relign.config import ModelConfig  # noqa: F401  (relign importable: the section's first check)
-    from relign.models.loading import load_causal_lm, load_tokenizer
+    from relign.models.loading import load_causal_lm
     from relign.rollout.engine import SamplingParams
     from relign.rollout.fast_decode import device_peaks
     from relign.rollout.hf_engine import HFEngine
@@ -159,19 +158,19 @@ def run(smoke: bool, device: str, budget_s: float) -> dict:
     shape = gpu_checks.SMOKE if smoke else gpu_checks.QWEN05
     cuda = torch.device(device).type == "cuda"
     dtype = "bf16" if cuda else "fp32"
-    tok = load_tokenizer(str(path))
     model = load_causal_lm(str(path), dtype=dtype, device=device).eval()
+    tok = IdsTokenizer(model.config)
     plen, T, rows_list = (SMOKE_PROMPT_LEN, SMOKE_NEW_TOKENS, SMOKE_ROWS) if smoke else (PROMPT_LEN, NEW_TOKENS, ROWS)
-    rng = random.Random(3)
-    vocab = len(tok)
-    prompts = [[rng.randrange(4, vocab) for _ in range(plen)] for _ in range(max(rows_list))]
+    prompts = random_prompts(max(rows_list), plen, seed=3)
     peaks = device_peaks(torch.cuda.get_device_name()) if cuda else None
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=T, ignore_eos=True)
     elt = 2 if dtype == "bf16" else 4
-    res = {"setup": {"shape": "SMOKE" if smoke else "Qwen2.5-0.5B", "params": n_params, "dtype": dtype, "prompt_len": plen,
-                     "new_tokens": T, "greedy": True, "prefill_included": True, "torch": torch.__version__,
-                     "device": torch.cuda.get_device_name() if cuda else "cpu", "peaks": peaks},
-           "cases": []}
+    PARTIAL.clear()
+    res = PARTIAL  # filled as the cases finish
+    res.update(setup={"shape": "SMOKE" if smoke else "Qwen2.5-0.5B", "params": n_params, "dtype": dtype, "prompt_len": plen,
+                      "new_tokens": T, "greedy": True, "prefill_included": True, "torch": torch.__version__,
+                      "device": torch.cuda.get_device_name() if cuda else "cpu", "peaks": peaks},
+               cases=[])
     outputs: dict[tuple[str, int], list[list[int]]] = {}
     plan_of = plans(device)
     # (case, rows, estimated seconds on an H200): the most useful first
@@ -234,4 +233,4 @@ def run(smoke: bool, device: str, budget_s: float) -> dict:
             assert "error" not in row, row
             if row["case"] == "static-eager":
                 assert row["greedy_vs_today"]["rows_identical"] == 1.0, row
-    return res
+    return dict(res)

@@ -17,16 +17,18 @@ At ``smoke`` (the suite, a CPU): the SMOKE shape in fp32, 2 prompts x G = 2 x 8 
 
 from __future__ import annotations
 
-import random
 import time
 
 import torch
 
-from bench.ab.decode import model_dir, peak_gib, reset_peak, sync
+from bench.ab.common import model_dir
+from bench.ab.decode import IdsTokenizer, peak_gib, random_prompts, reset_peak, sync
+
+PARTIAL: dict = {}  # the results so far, which bench/gpu_ab.py keeps if the section runs past its cap
 
 
 def run(smoke: bool, device: str, budget_s: float) -> dict:
-    from relign.models.loading import apply_lora, load_causal_lm, load_tokenizer
+    from relign.models.loading import apply_lora, load_causal_lm
     from relign.models.logprobs import right_pad, token_logps
     from relign.rollout.engine import SamplingParams, derive_seed
     from relign.rollout.hf_engine import HFEngine
@@ -36,13 +38,13 @@ def run(smoke: bool, device: str, budget_s: float) -> dict:
     cuda = torch.device(device).type == "cuda"
     dtype = "bf16" if cuda else "fp32"
     prompts_n, G, T, plen, old_T = (2, 2, 8, 6, 8) if smoke else (16, 8, 512, 128, 64)
-    tok = load_tokenizer(str(path))
-    rng = random.Random(4)
-    prompts = [[rng.randrange(4, len(tok)) for _ in range(plen)] for _ in range(prompts_n)]
+    prompts = random_prompts(prompts_n, plen, seed=4)
     seeds = [derive_seed(7, i) for i in range(prompts_n)]
     params = SamplingParams(n=G, temperature=1.0, max_new_tokens=T, ignore_eos=True)
-    res = {"setup": {"prompts": prompts_n, "group": G, "new_tokens": T, "prompt_len": plen, "dtype": dtype,
-                     "lora": "r 16, alpha 32, all-linear", "device": torch.cuda.get_device_name() if cuda else "cpu"}}
+    PARTIAL.clear()
+    res = PARTIAL  # filled as the parts finish
+    res["setup"] = {"prompts": prompts_n, "group": G, "new_tokens": T, "prompt_len": plen, "dtype": dtype,
+                    "lora": "r 16, alpha 32, all-linear", "device": torch.cuda.get_device_name() if cuda else "cpu"}
 
     def timed(engine, p=params, repeats=2) -> tuple[float, float, list]:
         sync(device)
@@ -60,6 +62,7 @@ def run(smoke: bool, device: str, budget_s: float) -> dict:
         return first, best, out
 
     full = load_causal_lm(str(path), dtype=dtype, device=device).eval()
+    tok = IdsTokenizer(full.config)
     reset_peak(device)
     first, best, _ = timed(HFEngine(full, tok, max_batch_rows=prompts_n * G, seed=0))
     res["full"] = {"seconds": best, "first_call_s": first, "tokens_per_s": prompts_n * G * T / best, "peak_gib": peak_gib(device)}
@@ -80,7 +83,7 @@ def run(smoke: bool, device: str, budget_s: float) -> dict:
     res["base_weights_unchanged"] = all(torch.equal(p, base[n]) for n, p in lora.named_parameters() if "lora_" not in n)
     # the engine's log-probs of four rows against the peft model's forward over the same tokens
     rows = [(prompts[i // G], out[i // G][i % G]) for i in range(0, min(4, prompts_n * G))]
-    ids, mask = right_pad([p + c.token_ids for p, c in rows], tok.pad_token_id, full.device)
+    ids, mask = right_pad([p + c.token_ids for p, c in rows], tok.pad_token_id, device)
     with torch.inference_mode():
         ref, _ = token_logps(lora, ids, attention_mask=mask)
     res["logp_max_abs_diff_vs_peft"] = max(
@@ -97,4 +100,4 @@ def run(smoke: bool, device: str, budget_s: float) -> dict:
     if smoke:
         assert res["base_weights_unchanged"] and res["lora_merged"]["decode_step"] == "fast"
         assert res["logp_max_abs_diff_vs_peft"] < 1e-4, res
-    return res
+    return dict(res)
