@@ -546,11 +546,12 @@ class HFEngine(Engine):
         rows.tok.copy_(tok)
         rows.t.add_(1)
 
-    def _iteration(self, rows: _Rows, kv, weights: Weights | None, sampler: _Sampler, span: int) -> None:
+    def _iteration(self, rows: _Rows, kv, weights: Weights | None, sampler: _Sampler, span: int, filled: bool = False
+                   ) -> None:
         """One decode step on the device: the forward of each row's last token, then the next sample.
         Nothing is read back to the host (``torch.compile(..., fullgraph=True)`` traces it whole)."""
         if weights is not None:
-            logits = self.fast.step(rows.tok, rows.pos, kv, weights, span)
+            logits = self.fast.step(rows.tok, rows.pos, kv, weights, span, filled=filled)
         else:
             logits = kv.step(rows.tok, rows.pos)
         rows.pos.add_(1)
@@ -561,7 +562,7 @@ class HFEngine(Engine):
         filled columns (Lp + made). Static shapes: over the whole capacity, the step captured once
         per bucket and sampling settings (``DecodePlan.capture``) and replayed."""
         if slot is None:
-            return lambda made: self._iteration(rows, kv, weights, sampler, Lp + made)
+            return lambda made: self._iteration(rows, kv, weights, sampler, Lp + made, filled=True)
         run = slot.steps.get(sampler.key())
         if run is None:
             run = slot.steps[sampler.key()] = self._capture(slot, weights, sampler)
