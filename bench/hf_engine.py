@@ -4,8 +4,9 @@ and both against the engine as it was when issue 15 was filed (``--baseline``).
     python bench/hf_engine.py                 # GRPO bench shape: 4 prompts x G=8 x 128 tokens, 7 repeats
     python bench/hf_engine.py --prompts 64    # a large batch: 512 rows at once
     python bench/hf_engine.py --baseline none # only the two current modes
-    python bench/hf_engine.py --baseline 58c3ee1 --modes fast,static --threads 1   # issue 46: today's
-                                              # engine against the one before it, and its GPU shapes on the CPU
+    python bench/hf_engine.py --baseline 58c3ee1 --modes fast,static --threads 1 --clock process
+                                              # issue 46: today's engine against the one before it (and its
+                                              # GPU shapes on the CPU), in CPU seconds on a shared machine
 
 Both sides are built as the RL recipe builds its engine (``relign.recipes.build.engine_for``,
 public API) on the same tiny random Qwen2 model (``relign.models.tiny``, "small", 10.4M
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--baseline", default=BASELINE, help="a git revision whose HF engine joins the rotation, or 'none'")
+    p.add_argument("--clock", choices=("wall", "process"), default="wall",
+                   help="process: this process's CPU seconds (time.process_time), steadier than wall seconds on a "
+                        "shared machine; with --threads 1 they are the work done")
     p.add_argument("--modes", default="fast,forward", help="today's engines in the rotation: fast (its own decode "
                    "step), forward (the model's forward at every step), static (its own step under the GPU's static "
                    "shapes, eager)")
@@ -131,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         return engines[mode].generate(batch, params, seeds=seeds)
 
     modes = [*engines, *(["baseline"] if base is not None else [])]
+    clock = time.perf_counter if a.clock == "wall" else time.process_time
     tokens = a.prompts * a.group * a.max_new_tokens
     times: dict[str, list[float]] = {m: [] for m in modes}
     agree: list[float] = []
@@ -141,10 +146,10 @@ def main(argv: list[str] | None = None) -> None:
         seeds = [derive_seed(rnd, i) for i in range(len(batch))]
         outs = {}
         for mode in modes[rnd % len(modes):] + modes[: rnd % len(modes)]:  # each mode takes each place in turn
-            t0 = time.perf_counter()
+            t0 = clock()
             outs[mode] = generate(mode, batch, seeds)
             if rnd:
-                times[mode].append(time.perf_counter() - t0)
+                times[mode].append(clock() - t0)
         ids = {m: [c.token_ids for g in o for c in g] for m, o in outs.items()}
         assert all(sum(map(len, v)) == tokens for v in ids.values())
         # same seeds: a row stays identical until a uniform lands within float rounding of a CDF step
@@ -162,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": " ".join(["python", "bench/hf_engine.py", *(argv if argv is not None else sys.argv[1:])]),
         "setup": {"model": "relign.models.tiny.build_tiny_model(arch='qwen2', size='small')", "prompts": a.prompts,
                   "group": a.group, "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "dtype": "fp32",
-                  "threads": a.threads},
+                  "threads": a.threads, "clock": a.clock},
         "env": {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
                 "torch": torch.__version__, "transformers": transformers.__version__, "relign": relign.__version__,
                 "load_avg_after": os.getloadavg()},
@@ -179,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"\nHF engine: {a.prompts} prompts x G={a.group} x {a.max_new_tokens} tokens, tiny qwen2 'small' fp32, "
-          f"{a.threads} threads, {a.repeats} alternating repeats, median (range)\n")
+          f"{a.threads} threads, {a.repeats} alternating repeats, {a.clock} seconds, median (range)\n")
     print("| decode step | tokens/s |\n|---|---:|")
     rows = [("baseline", f"the engine at {a.baseline}" + (" (issue 15 filed): model forward, `DynamicCache`"
                                                             if a.baseline == BASELINE else "")),
