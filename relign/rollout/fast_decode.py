@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..models.flops import device_peak
 from ..models.precision import autocast_of, compute_dtype
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -418,18 +419,10 @@ class DecodePlan:
 
 # --------------------------------------------------------------------------- the roofline
 
-# name fragment -> (bf16 dense TFLOP/s, HBM TB/s), most specific first (the makers' data sheets;
-# bench/gpu_checks.py holds the same table for its own report)
-DEVICE_PEAKS = [("H100 PCIe", 756.0, 2.0), ("H100 NVL", 835.0, 3.9), ("H100", 989.0, 3.35), ("H200", 989.0, 4.8),
-                ("A100", 312.0, 2.0)]
-
-
 def device_peaks(name: str) -> tuple[float, float] | None:
-    """(FLOP/s, bytes/s) of a GPU by its name, None when it is not in ``DEVICE_PEAKS``."""
-    for frag, tflops, tbs in DEVICE_PEAKS:
-        if frag in name:
-            return tflops * 1e12, tbs * 1e12
-    return None
+    """(FLOP/s, bytes/s) of a GPU by its name (``models.flops.PEAKS``: dense bf16, HBM), None when unknown."""
+    tflops, tbs = device_peak(name)
+    return (tflops * 1e12, tbs * 1e12) if tflops and tbs else None
 
 
 def roofline_seconds(*, rows: int, context: int, weight_bytes: int, weight_params: int, kv_bytes_per_token: int,

@@ -346,7 +346,7 @@ class HFEngine(Engine):
         return [logps[i, 1 : len(seq)].float().tolist() for i, seq in enumerate(sequences)]
 
     def perf_metrics(self) -> dict[str, float]:
-        """On a GPU whose peaks are known (``fast_decode.DEVICE_PEAKS``), for the decode steps since
+        """On a GPU whose peaks are known (``models.flops.PEAKS``), for the decode steps since
         the last call: ``perf/decode_bw_frac``, the roofline's time for the tokens kept (every weight
         and each live row's cached keys and values read once per step, or the FLOPs at peak,
         whichever is longer) over the time the steps took; and ``perf/decode_tokens_per_s``.
