@@ -510,4 +510,5 @@ def _step_metrics(run: _Run, groups, batch: RolloutBatch, rewards: Rewards, stat
         out["actor/logp_mismatch"] = float((gap * m).sum() / m.sum().clamp_min(1))
         out["actor/logp_mismatch_max"] = float(gap[m.bool()].max()) if m.any() else 0.0
     out["perf/tokens_per_s"] = float(batch.seq_lens.sum()) / max(out["time/step_s"], 1e-9)
+    out.update(run.engine.perf_metrics())  # the engine's own (the HF engine on a GPU: perf/decode_bw_frac)
     return out

@@ -150,6 +150,12 @@ class Engine(Protocol):
         ``Engine``): None."""
         return None
 
+    def perf_metrics(self) -> dict[str, float]:
+        """The engine's own speed figures since the last call (``perf/*`` keys; the RL recipe logs
+        them with each step), e.g. the HF engine's ``perf/decode_bw_frac`` on a GPU. The default
+        (an engine class that subclasses ``Engine``): none."""
+        return {}
+
     # Optional: ``score_tokens(sequences) -> list[list[float]]``, log p(x_t | x_<t) of every token
     # after the first of each sequence, at temperature 1, with the engine's own weights and kernels.
     # The RL recipe's sync check (rollout/sync_check.py) compares it with the trainer after every

@@ -55,7 +55,7 @@ from .. import distributed
 from ..checks import check_non_negative, check_positive, get_key
 from ..config import VllmConfig
 from ..errors import ConfigError
-from .engine import Completion, SamplingParams, check_generate_args, derive_seed
+from .engine import Completion, Engine, SamplingParams, check_generate_args, derive_seed
 from .fingerprint import COLUMNS, HEAD, Fingerprint, add, add_to, finish, tensor_stats
 from .last_words import last_words
 
@@ -198,7 +198,7 @@ def _fingerprint(worker) -> dict | None:
     return finish(groups)
 
 
-class VLLMEngine:
+class VLLMEngine(Engine):
     """A colocated ``vllm.LLM`` behind relign's ``Engine`` protocol (see the module docstring)."""
 
     _live: VLLMEngine | None = None

@@ -51,17 +51,17 @@ def enc(tokenizer):
 
 @pytest.fixture
 def compactions(monkeypatch):
-    """Record every batch compaction (rows kept) the engine does on its KV cache."""
-    from transformers import DynamicCache
+    """Record every batch compaction (rows kept) the engine does on its decode state."""
+    from relign.rollout.hf_engine import HFEngine
 
     calls: list[int] = []
-    orig = DynamicCache.batch_select_indices
+    orig = HFEngine._compact
 
-    def spy(self, indices):
-        calls.append(len(indices))
-        return orig(self, indices)
+    def spy(self, slot, rows, kv, keep):
+        calls.append(len(keep))
+        return orig(self, slot, rows, kv, keep)
 
-    monkeypatch.setattr(DynamicCache, "batch_select_indices", spy)
+    monkeypatch.setattr(HFEngine, "_compact", spy)
     return calls
 
 

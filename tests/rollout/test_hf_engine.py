@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from relign.rollout.engine import Completion, Engine, SamplingParams
+from relign.rollout.fast_decode import DecodePlan
 from relign.rollout.hf_engine import HFEngine, sample_tokens
 
 from .conftest import trainer_logps
@@ -427,9 +428,89 @@ def test_engine_protocol_and_small_contract(model, tokenizer, prompts):
     assert engine.generate([], SamplingParams()) == []
     with pytest.raises(ValueError):
         engine.generate([[]], SamplingParams())
+    c = engine.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=0))
+    assert [[(x.token_ids, x.finish_reason) for x in g] for g in c] == [[([], "length")] * 2] * 2
     model.train()
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=2))
     assert model.training  # the caller's mode is restored
     model.eval()
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=2))
     assert not model.training
+
+
+# ---------------------------------------------------------------------------- 9. static shapes (issue 46)
+
+# what a CUDA graph needs, run eagerly on the CPU: rows in buckets, attention over the whole
+# capacity, the host reading every 8 steps
+STATIC = DecodePlan(static=True, read_every=8, row_buckets=(4, 8, 16), length_bucket=32)
+
+
+def _assert_same(a, b, tol=1e-5):
+    """The same tokens, text, finish and stop reasons; log-probs to float rounding (another batch
+    size and attention width round the products differently)."""
+    assert [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in g] for g in a] == \
+        [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in g] for g in b]
+    worst = max(abs(x - y) for ga, gb in zip(a, b) for ca, cb in zip(ga, gb) for x, y in zip(ca.logps, cb.logps))
+    assert worst < tol, worst
+
+
+@pytest.mark.parametrize("case", ["sampled", "greedy", "min_new_tokens"])
+def test_static_shapes_equal_the_default_decode(model, tokenizer, prompts, compactions, case):
+    """Seeded sampling (top-k and top-p), greedy decoding, stop tokens and strings, min_new_tokens:
+    the static-shape decode gives the tokens and log-probs of the default one, its rows leaving in
+    buckets, and so does the default decode reading the host every 8 steps instead of every one."""
+    params = {
+        "sampled": SamplingParams(n=4, temperature=0.8, top_p=0.9, top_k=50, max_new_tokens=24,
+                                  stop_token_ids=_stop_ids(tokenizer, every=20), stop=["e>", "th"]),
+        "greedy": SamplingParams(n=2, temperature=0.0, max_new_tokens=20, stop_token_ids=_stop_ids(tokenizer, every=7)),
+        "min_new_tokens": SamplingParams(n=3, temperature=1.0, max_new_tokens=24, min_new_tokens=5,
+                                         stop_token_ids=_stop_ids(tokenizer, every=20), stop=["an"]),
+    }[case]
+    seeds = [11, 12, 13, 14]
+    want = HFEngine(model, tokenizer, compact_fraction=0.1).generate(prompts, params, seeds=seeds)
+    compactions.clear()
+    got = HFEngine(model, tokenizer, compact_fraction=0.1, decode=STATIC).generate(prompts, params, seeds=seeds)
+    _assert_same(got, want)
+    assert compactions and set(compactions) <= {4, 8}  # 16 or 8 rows moved into smaller buckets
+    lengths = {len(c.token_ids) for g in want for c in g}
+    assert len(lengths) >= 3 and {c.finish_reason for g in want for c in g} == {"stop", "length"}
+    if case == "min_new_tokens":
+        assert min(lengths) >= 5
+    _assert_same(HFEngine(model, tokenizer, compact_fraction=0.1, decode=DecodePlan(read_every=8)).generate(
+        prompts, params, seeds=seeds), want)
+
+
+def test_static_shapes_multiturn_equal_the_default_decode(model, tokenizer, enc):
+    """A multi-turn rollout (the env's text appended in the same sequence, each turn one engine call)."""
+    from relign.rollout.multiturn import run_episodes
+
+    from .test_multiturn import ObservingCalculatorEnv, make_calculator_records
+
+    records = make_calculator_records(2, seed=2)
+    prompts, infos = [enc(r["prompt"]) for r in records], [r["extra_info"] for r in records]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=5, stop=["</calc>"], seed=11)
+
+    def run(plan):
+        out = run_episodes(HFEngine(model, tokenizer, seed=0, decode=plan), tokenizer, ObservingCalculatorEnv(), prompts,
+                           infos, params, max_turns=3, max_response_tokens=40, seeds=[5, 9])
+        return [e for g in out for e in g]
+
+    a, b = run(None), run(STATIC)
+    assert sum(e.turns for e in a) >= 9
+    assert [(e.response_ids, e.response_mask, e.finish_reason, e.turns) for e in a] == \
+        [(e.response_ids, e.response_mask, e.finish_reason, e.turns) for e in b]
+    assert max(abs(x - y) for ea, eb in zip(a, b) for x, y in zip(ea.sampling_logps, eb.sampling_logps)) < 1e-5
+
+
+def test_static_shapes_unseeded_calls_draw_from_the_engine_stream(model, tokenizer, prompts):
+    """Without per-row seeds a static-shape call draws its uniforms [rows, tokens] from the engine's
+    generator at its start: the stream moves on, repeats from a saved state, and the log-probs are
+    the trainer's."""
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, stop_token_ids=_stop_ids(tokenizer))
+    engine = HFEngine(model, tokenizer, seed=7, decode=STATIC)
+    state = engine.state_dict()
+    a = engine.generate(prompts, params)
+    assert _ids(engine.generate(prompts, params)) != _ids(a)
+    engine.load_state_dict(state)
+    assert _key(engine.generate(prompts, params)) == _key(a)
+    _assert_logps_match(model, prompts, a, 1.0)

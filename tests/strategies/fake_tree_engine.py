@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from relign.envs.base import Task
-from relign.rollout.engine import Completion, SamplingParams, derive_seed
+from relign.rollout.engine import Completion, Engine, SamplingParams, derive_seed
 from relign.envs.tasks import Problem
 
 # --------------------------------------------------------------------------- vocabulary
@@ -439,7 +439,7 @@ def trap_trees(seed: int = 0) -> TreeBank:
 # --------------------------------------------------------------------------- engine
 
 
-class FakeTreeEngine:
+class FakeTreeEngine(Engine):
     """The ``Engine`` protocol over ``TreeSpec`` trees: exact token ids and log-probabilities.
 
     Seeding: with ``seeds``, completion j of prompt i draws from ``random.Random(derive_seed(
