@@ -65,10 +65,12 @@ def _ece(conf, outcome, bins=10):
     return total
 
 
-RUNS = ((0.3, "log"), (0.8, "brier"))
+RUNS = ((0.3, "brier"), (0.9, "log"))
 """Two q of the six the preset is tuned for, one on each side of 0.5, and both scoring rules: the log
 score (the preset's) at one and the Brier score at the other (each run is the preset's 120 steps,
-so two runs rather than three keep the test near its former 45 s)."""
+so two runs rather than three keep the test near its former 45 s). At RL seed 3 (``SEED``): there the
+preset of 40 steps at lr 3e-3 left q 0.9 at ECE 0.373 -> 0.220, stating 0.70 (bench/calibration_table.py)."""
+SEED = 3
 
 
 @pytest.mark.slow(seconds=55)  # started first (conftest): the longest single tests
@@ -86,7 +88,7 @@ def test_grpo_with_the_reader_reward_calibrates_stated_confidence(tiny_model_dir
             run = tmp_path / f"rl_{q}_{rule}"
             cfg = load_config(rl.Config, REPO / "examples" / "calibration.yaml", [
                 f"model.path={warm.checkpoint}", f"task.features={{room: {q}}}", f"reward.reader.scoring={rule}",
-                f"run_dir={run}", "traces_per_step=0", *common])
+                f"run_dir={run}", "traces_per_step=0", f"seed={SEED}", *common])
             result = rl.train(cfg)
             p1, points1 = _points(_sample(run / "checkpoints" / f"step_{cfg.max_steps}"), q)
             rewards = [r["reward/mean"] for r in result.history if "reward/mean" in r]
