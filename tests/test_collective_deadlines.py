@@ -48,7 +48,8 @@ def _nccl_semantics() -> None:
 
 
 def _rank(rank: int, folder: str, case: str) -> None:
-    """One rank (a fork of this process: torch is imported already). Rank 1 never joins."""
+    """One rank, a fresh interpreter (spawned: a fork of a pytest worker that has run other tests
+    inherits their threads and locks, and once hung before its watchdog started). Rank 1 never joins."""
     sys.stderr = open(os.path.join(folder, f"stderr{rank}"), "w", buffering=1)  # open until the watchdog's os._exit
     os.dup2(sys.stderr.fileno(), 2)  # pytest's capture holds the parent's
     torch.set_num_threads(1)
@@ -73,14 +74,14 @@ def _rank(rank: int, folder: str, case: str) -> None:
     Path(folder, "returned").write_text("")
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gloo ranks on one Linux machine")
 @pytest.mark.parametrize("case, names, caller", [
     ("enqueued", "a collective (all_reduce)", "lockstep"),
     ("grad_norm", "a collective (the gradient norm, summed over the ranks' shards)", "clip_gradients"),
 ])
 def test_a_rank_that_never_joins_stops_the_others_at_the_deadline_with_the_stacks(tmp_path, case, names, caller):
-    fork = multiprocessing.get_context("fork")
-    ranks = [fork.Process(target=_rank, args=(r, str(tmp_path), case)) for r in (0, 1)]
+    spawn = multiprocessing.get_context("spawn")
+    ranks = [spawn.Process(target=_rank, args=(r, str(tmp_path), case)) for r in (0, 1)]
     for p in ranks:
         p.start()
     t0 = time.monotonic()
