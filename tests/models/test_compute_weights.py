@@ -17,6 +17,8 @@ from relign.models.precision import compute_dtype, compute_weights
 from relign.models.value import ValueModel
 from relign.recipes import sft
 
+from .test_precision import engine_gaps
+
 IDS = torch.tensor([[5, 17, 300, 42, 8, 9, 1000, 77, 3, 250], [61, 2, 90, 14, 500, 33, 7, 120, 41, 19]])
 
 
@@ -102,12 +104,5 @@ def test_engine_samples_with_the_trainers_log_probs(tiny_model_dir, tokenizer):
     assert engine.fast is not None
     prompts = [tokenizer.encode("Compute 7 + 5 - 3."), tokenizer.encode("Hello")]
     out = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, ignore_eos=True), seeds=[1, 2])
-    gaps = []
-    for p, group in zip(prompts, out):
-        for c in group:
-            ids = torch.tensor([p + c.token_ids])
-            target = torch.zeros_like(ids, dtype=torch.float32)
-            target[:, len(p):] = 1
-            lp, _ = token_logps(model, ids, target_mask=target)
-            gaps.append((lp[0, len(p):] - torch.tensor(c.logps)).abs().max().item())
+    gaps = engine_gaps(model, prompts, out)
     assert len(gaps) == 4 and max(gaps) < 0.02, gaps

@@ -128,14 +128,7 @@ def test_engine_samples_with_the_trainers_bf16_log_probs(tiny_model_dir, tokeniz
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, ignore_eos=True)
     out = []
     assert _linear_out_dtypes(model, lambda: out.extend(engine.generate(prompts, params, seeds=[1, 2]))) == {torch.bfloat16}
-    gaps = []
-    for p, group in zip(prompts, out):
-        for c in group:
-            ids = torch.tensor([p + c.token_ids])
-            target = torch.zeros_like(ids, dtype=torch.float32)
-            target[:, len(p):] = 1
-            lp, _ = token_logps(model, ids, target_mask=target)
-            gaps.append((lp[0, len(p):] - torch.tensor(c.logps)).abs().max().item())
+    gaps = engine_gaps(model, prompts, out)
     assert len(gaps) == 4 and max(gaps) < 0.02, gaps
 
 
@@ -171,3 +164,16 @@ def test_bf16_kernels_of_new_shapes_do_not_pile_up():
     out = subprocess.run([sys.executable, "-c", ONEDNN_PROBE, "0"], capture_output=True, text=True, check=True,
                          env={**env, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16"}).stdout.split()  # the setting only
     assert out[:2] == ["16", "64"], out
+
+
+def engine_gaps(model, prompts, out) -> list[float]:
+    """The largest |engine - trainer| log-prob of each completion in ``out`` (engine.generate's)."""
+    gaps = []
+    for p, group in zip(prompts, out):
+        for c in group:
+            ids = torch.tensor([p + c.token_ids])
+            target = torch.zeros_like(ids, dtype=torch.float32)
+            target[:, len(p):] = 1
+            lp, _ = token_logps(model, ids, target_mask=target)
+            gaps.append((lp[0, len(p):] - torch.tensor(c.logps)).abs().max().item())
+    return gaps

@@ -12,6 +12,7 @@ from relign.envs.calibration import make_records
 from relign.recipes import rl, sft
 
 from ..conftest import REPO, torch_threads
+from .test_calibration_abstention import _ece  # written out there, not relign's
 
 CONF = re.compile(r"conf:\s*(\d+)")  # the reader also reads "conf:7"
 
@@ -53,16 +54,6 @@ def _points(texts: list[str], q: float, seed: int = 123):
         else:
             points.append((1.0, 0.0))
     return p_left, points
-
-
-def _ece(conf, outcome, bins=10):
-    # written out here (not relign.algorithms.scoring.ece): equal-width bins weighted by count
-    total = 0.0
-    for b in range(bins):
-        idx = [i for i, c in enumerate(conf) if min(int(c * bins), bins - 1) == b]
-        if idx:
-            total += len(idx) / len(conf) * abs(sum(outcome[i] for i in idx) / len(idx) - sum(conf[i] for i in idx) / len(idx))
-    return total
 
 
 RUNS = ((0.3, "brier"), (0.9, "log"))
