@@ -30,7 +30,7 @@ from ..data.sft import TRUNCATION, SFTExample, build_sft_examples
 from ..data.stats import announce
 from ..models.cp import cp_token_logps
 from ..models.loading import load_model_tokenizer
-from ..models.logprobs import token_logps
+from ..models.logprobs import token_logps, weighted_token_logps
 from ..models.varlen import packed_attention
 from . import RunResult, build, frame
 
@@ -76,6 +76,22 @@ def _forward(model, mb: dict[str, torch.Tensor], cp_group=None) -> torch.Tensor:
     return logps  # [B, T]
 
 
+def _loss(model, mb: dict[str, torch.Tensor], loss_agg: str, normalizer: torch.Tensor, cp_group=None) -> torch.Tensor:
+    """The micro-batch's share of the step's loss, aggregate(-log p, loss_mask, loss_agg, N)."""
+    mask, seg = mb["loss_mask"], mb["segment_ids"]
+    if cp_group is None:
+        # the loss is linear in log p: -sum_t c_t log p_t, c each token's weight in the reduction. With
+        # c known before the forward the fused LM head takes its gradients there, and no logits exist
+        v = torch.zeros(mask.shape, device=mask.device, requires_grad=True)
+        with torch.enable_grad():
+            (c,) = torch.autograd.grad(aggregate(v, mask, loss_agg, normalizer, segment_ids=seg), v)
+        s = weighted_token_logps(model, mb["input_ids"], c, attention_mask=mb.get("attention_mask"),
+                                 position_ids=mb.get("position_ids"))
+        if s is not None:
+            return -s
+    return aggregate(-_forward(model, mb, cp_group), mask, loss_agg, normalizer, segment_ids=seg)
+
+
 def _load_data(cfg: Config, tok) -> tuple[list[SFTExample], list[SFTExample], dict[str, float]]:
     d = cfg.data
     common = dict(
@@ -119,8 +135,7 @@ def accumulate_gradients(
     scale, cp_group = distributed.grad_scale(), distributed.cp_group()
     loss_sum = torch.zeros((), device=device)
     for mb in micro:
-        logps = _forward(model, mb, cp_group)  # [B, T]; under context parallel, only this rank's chunk's targets
-        loss = aggregate(-logps, mb["loss_mask"], loss_agg, normalizer, segment_ids=mb["segment_ids"])
+        loss = _loss(model, mb, loss_agg, normalizer, cp_group)  # under context parallel, this rank's chunk's targets
         # FSDP averages gradients over ranks; scale so that they sum instead (N is global).
         (loss * scale).backward()
         loss_sum += loss.detach()
