@@ -69,14 +69,14 @@ def chunk_grad(x: torch.Tensor, index: torch.Tensor, lse: torch.Tensor, ent: tor
     entropies (None: not used by the loss): -p (g_logp + g_ent (log p + H)) + g_logp e_y, over T."""
     z = _scaled(x, temperature)
     logp_all = z - lse.unsqueeze(-1)  # a new tensor: z may be the saved logits themselves
-    p = logp_all.exp()
     if g_ent is not None:
+        p = logp_all.exp()
         coef = logp_all.add_(ent.unsqueeze(-1)).mul_(g_ent.unsqueeze(-1))
         if g_logp is not None:
             coef.add_(g_logp.unsqueeze(-1))
         dz = p.mul_(coef).neg_()
-    else:
-        dz = p.mul_(g_logp.unsqueeze(-1)).neg_()
+    else:  # one chunk-sized temporary: log p, then p, then the gradient, in place
+        dz = logp_all.exp_().mul_(g_logp.unsqueeze(-1)).neg_()
     if g_logp is not None:
         dz.scatter_add_(-1, index.unsqueeze(-1), g_logp.unsqueeze(-1).to(dz.dtype))
     return dz if temperature == 1.0 else dz.div_(temperature)
@@ -152,6 +152,15 @@ def log_softmax_gather(logits: torch.Tensor, index: torch.Tensor, *, temperature
 # --------------------------------------------------------------------------- stage b: from the hidden states
 
 
+def _add_outer(dw: torch.Tensor, dx: torch.Tensor, h: torch.Tensor) -> None:
+    """dw [V, d] (fp32) += dx^T h: in place where the dtypes agree (no [V, d] temporary); else each
+    chunk's product in the compute dtype (as the model's head computes its weight gradient), summed in fp32."""
+    if dx.dtype == dw.dtype:
+        dw.addmm_(dx.t(), h)
+    else:
+        dw += dx.t() @ h
+
+
 def _logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """One chunk's logits h [n, d] x w [V, d]^T in their shared dtype: the model's own LM-head product."""
     return h @ w.t()
@@ -204,7 +213,7 @@ class LinearLogSoftmaxGather(torch.autograd.Function):
                 if need_h:
                     dh[a:b] = dx @ w
                 if need_w:
-                    dw += dx.t() @ h[a:b]  # each chunk's product in the compute dtype, summed in fp32
+                    _add_outer(dw, dx, h[a:b])
         return dh, dw.to(weight.dtype) if need_w else None, None, None, None, None, None, None
 
 
@@ -233,7 +242,7 @@ class LinearWeightedSum(torch.autograd.Function):
                     if need_h:
                         dh[a:b] = dx @ w
                     if need_w:
-                        dw += dx.t() @ h[a:b]
+                        _add_outer(dw, dx, h[a:b])
         ctx.save_for_backward(dh, dw)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(logp)
