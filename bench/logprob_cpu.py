@@ -11,9 +11,11 @@ like with like on the same machine in the same hour. TRL is not needed.
 ``--micro`` times the log-prob paths themselves in one process, old and new alternating on the
 same inputs (the base tree's ``relign/models/logprobs.py`` loaded beside the new one: it imports
 nothing of relign), forward + backward through the ``tiny:small`` model (10 layers, hidden 256)
-at its 4,096-token vocabulary and at Qwen's 151,936: SFT's loss (packed, token-mean), DPO's
-packed sequence log-probs, the RL update's call (padded, temperature 0.7, entropy detached).
-Also the bytes autograd saves for the backward (``saved_tensors_hooks``, distinct storages).
+at the vocabularies of ``--vocabs`` (0: its tokenizer's 2,294; others by resizing the tied
+embedding): SFT's loss (one packed row of 8 x 256 tokens, token-mean), DPO's packed sequence
+log-probs (the same row), the RL update's call (8 padded rows of 96 + 128 tokens, temperature 0.7,
+entropy detached). Wall and CPU seconds (the process's own, less sensitive to other load), and
+the bytes autograd saves for the backward (``saved_tensors_hooks``, distinct storages).
 
 Written for issue 45 item 2 (log-probs with no fp32 [T, V] kept for the backward). Output: a
 markdown table on stdout and JSON at --out.
@@ -32,6 +34,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this tree's relign (the "new" side), not an installed one
 sys.path.insert(0, str(REPO / "bench"))
 import grpo_step  # noqa: E402
 
@@ -66,6 +69,7 @@ def _load_old(tree: Path):
 
     spec = importlib.util.spec_from_file_location("old_logprobs", tree / "relign" / "models" / "logprobs.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["old_logprobs"] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
@@ -86,7 +90,7 @@ def _saved_mb(fn) -> float:
     return sum(seen.values()) / 2**20
 
 
-def micro(base_tree: Path, rounds: int, threads: int) -> dict:
+def micro(base_tree: Path, rounds: int, threads: int, vocabs: list[int]) -> dict:
     import torch
 
     from relign.algorithms.aggregation import aggregate
@@ -98,18 +102,20 @@ def micro(base_tree: Path, rounds: int, threads: int) -> dict:
     old = _load_old(base_tree)
     gen = torch.Generator().manual_seed(0)
     out = {}
-    for vocab in (4096, 151936):
+    for vocab in vocabs:  # 0: the tokenizer's own
         model, _ = build_tiny_model(None, arch="qwen2", size="small")
-        if vocab != 4096:
+        base_vocab = model.config.vocab_size
+        if vocab:
             model.resize_token_embeddings(vocab, mean_resizing=False)
+        vocab = model.config.vocab_size
         lean.lean_activations(model)
         # SFT/DPO-like: one packed row of 8 sequences of 256 tokens, the first 64 of each not scored
-        ids = torch.randint(3, 4096, (1, 2048), generator=gen)
+        ids = torch.randint(3, base_vocab, (1, 2048), generator=gen)
         pos = torch.arange(256).repeat(8)[None]
         mask = ((pos >= 64)).float()
         N = mask.sum()
         # RL-like: 8 padded rows of 96 prompt + 128 response tokens
-        rl_ids = torch.randint(3, 4096, (8, 224), generator=gen)
+        rl_ids = torch.randint(3, base_vocab, (8, 224), generator=gen)
         rl_mask = torch.zeros(8, 224)
         rl_mask[:, 96:] = 1
 
@@ -132,19 +138,25 @@ def micro(base_tree: Path, rounds: int, threads: int) -> dict:
         res = {}
         for name, fn in (("sft", sft), ("dpo", dpo), ("rl", rl)):
             times = {"old": [], "new": []}
+            cpu = {"old": [], "new": []}
             losses = {}
             for r in range(rounds + 1):
                 for which, mod in ((("old", old), ("new", new)) if r % 2 == 0 else (("new", new), ("old", old))):
                     model.zero_grad(set_to_none=True)
-                    t = time.perf_counter()
+                    t, c = time.perf_counter(), time.process_time()
                     loss = fn(mod)
                     loss.backward()
                     if r:  # the first round warms up
                         times[which].append(time.perf_counter() - t)
-                    losses[which] = float(loss)
+                        cpu[which].append(time.process_time() - c)
+                    losses[which] = float(loss.detach())
+            med = {k: statistics.median(v) for k, v in times.items()}
+            med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
             res[name] = {
-                "old_ms": 1e3 * statistics.median(times["old"]), "new_ms": 1e3 * statistics.median(times["new"]),
-                "new_over_old": statistics.median(times["new"]) / statistics.median(times["old"]),
+                "old_ms": 1e3 * med["old"], "new_ms": 1e3 * med["new"], "new_over_old": med["new"] / med["old"],
+                # CPU seconds of this process: less sensitive than wall time to other processes on the cores
+                "old_cpu_ms": 1e3 * med_cpu["old"], "new_cpu_ms": 1e3 * med_cpu["new"],
+                "new_over_old_cpu": med_cpu["new"] / med_cpu["old"],
                 "saved_mb_old": _saved_mb(lambda: fn(old)), "saved_mb_new": _saved_mb(lambda: fn(new)),
                 "loss_old": losses["old"], "loss_new": losses["new"],
             }
@@ -163,25 +175,28 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="grpo: model.dtype fp32 or bf16-mixed")
     p.add_argument("--vocab", type=int, default=0,
-                   help="resize the tiny model's (tied) vocabulary to this many rows (Qwen's: 151936); 0 = the tokenizer's 4,096")
+                   help="resize the tiny model's (tied) vocabulary to this many rows (Qwen's: 151936); 0 = the tokenizer's 2,294")
     p.add_argument("--max-new-tokens", type=int, default=128, help="grpo")
     p.add_argument("--max-length", type=int, default=512, help="dpo")
     p.add_argument("--micro", action="store_true", help="the in-process A/B of the log-prob paths instead")
     p.add_argument("--rounds", type=int, default=5, help="--micro: timed rounds (old and new each)")
+    p.add_argument("--vocabs", default="0,151936", help="--micro: vocabulary sizes (0: the tiny tokenizer's own)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "logprob_cpu.json"))
     a = p.parse_args(argv)
     if a.micro:
         with tempfile.TemporaryDirectory(prefix="logprob-cpu-") as tmp:
             sha = _archive(a.base, Path(tmp))
             res = {"base": sha, "command": " ".join(["python bench/logprob_cpu.py", *(argv or sys.argv[1:])]),
-                   "threads": a.threads, "micro": micro(Path(tmp), a.rounds, a.threads)}
+                   "threads": a.threads, "micro": micro(Path(tmp), a.rounds, a.threads,
+                                                                  [int(v) for v in a.vocabs.split(",")])}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=1))
-        print("| vocab | path | old ms | new ms | new/old | saved MB old | new |")
-        print("|---|---|---:|---:|---:|---:|---:|")
+        print("| vocab | path | old ms | new ms | new/old | CPU s new/old | saved MB old | new |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
         for vocab, r in res["micro"].items():
             for name, x in r.items():
                 print(f"| {vocab} | {name} | {x['old_ms']:.0f} | {x['new_ms']:.0f} | {x['new_over_old']:.2f} | "
+                      f"{x['new_over_old_cpu']:.2f} | "
                       f"{x['saved_mb_old']:.0f} | {x['saved_mb_new']:.0f} |")
         return res
     from relign.models.tiny import build_tiny_model

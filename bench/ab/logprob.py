@@ -184,7 +184,10 @@ def run(smoke: bool, device: str, budget_s: float) -> dict:
     def left():
         return budget_s - (time.perf_counter() - t_start)
 
-    for part, rl, g in (("sft", False, torch.full((T,), -1.0 / T, device=device)), ("rl", True, -torch.rand(T, device=device, generator=gen) / T)):
+    upstream = {"sft": torch.full((T,), -1.0 / T, device=device),  # dL/dlog p of SFT's token-mean
+                "rl": -torch.rand(T, device=device, generator=gen) / T}
+    for part, rl in (("sft", False), ("rl", True)):
+        g = upstream[part]
         inputs = (h, w, idx, g, e)
         variants = _variants(rl, 0.7 if rl else 1.0)
         if not rl and not smoke:

@@ -1,9 +1,11 @@
 """Log-probs and entropy of chosen tokens that keep no fp32 [tokens x vocabulary] for the backward.
 
 The plain autograd path ``logsumexp(logits.float() / T)`` keeps the fp32 copy of every chunk of
-logits alive until the backward, because ``logsumexp`` saves its input: for Qwen2.5's 151,936-token
-vocabulary that is 0.6 MB per token, 9.96 GB for a micro-batch of 8 x 2,048 tokens, twice the bf16
-logits themselves. Two replacements, each one ``autograd.Function`` over chunks of rows:
+bf16 logits alive until the backward, because ``logsumexp`` saves its input: for Qwen2.5's
+151,936-token vocabulary that is 0.6 MB per token, 9.96 GB for a micro-batch of 8 x 2,048 tokens,
+twice the bf16 logits themselves (for fp32 logits: a scaled copy at T != 1, and the softmax and
+its product for a differentiated entropy). Two replacements, each one ``autograd.Function`` over
+chunks of rows:
 
 * ``LogSoftmaxGather`` (stage a) takes the logits the model returned and saves only them (no
   copy) and the fp32 log-sum-exp [N] (and the entropy [N] when it is differentiated). Its backward
@@ -17,12 +19,12 @@ logits themselves. Two replacements, each one ``autograd.Function`` over chunks 
   -log p is linear in log p, its weights known before the forward), so its forward computes the
   gradients at once and the backward only scales them: no recomputation.
 
-The arithmetic per chunk is today's: the logits (bf16 from a bf16 product, as the model's LM head
-computes them) upcast to fp32, divided by the temperature, log-sum-exp and the picked logit in
-fp32. So the values equal the plain path's to fp32 rounding, and the gradients too (tested,
-``tests/models/test_fused_ce.py``).
+The arithmetic per chunk is the plain path's: the logits (bf16 from a bf16 product, as the
+model's LM head computes them) upcast to fp32, divided by the temperature, log-sum-exp and the
+picked logit in fp32. So the values equal the plain path's to fp32 rounding, and the gradients
+too (tested, ``tests/models/test_fused_ce.py``).
 
-Gradients, for z = x / T, log p = z - lse, p = softmax(z), H = lse - sum p z:
+Gradients, for z = x / T, log p = z - lse, p = softmax(z), H = -sum p log p:
     d log p_y / dz = e_y - p,        d H / dz = -p (log p + H),       d / dx = (d / dz) / T.
 """
 

@@ -177,7 +177,8 @@ def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, *, attention_ma
         hidden = _hidden_states(backbone, input_ids, attention_mask, position_ids)
         cols = keep if keep is not None else torch.arange(max(T - 1, 0), device=input_ids.device)
         h = hidden[:, cols]  # [B, K, d]: position p predicts token p + 1
-        lp, e = fused_ce.linear_log_softmax_gather(h.reshape(-1, h.shape[-1]), weight, input_ids[:, cols + 1].reshape(-1),
+        targets = input_ids[:, cols + 1].reshape(-1)
+        lp, e = fused_ce.linear_log_softmax_gather(h.reshape(-1, h.shape[-1]), weight, targets,
                                                    dtype=head_dtype(model, weight), **kw)
         return _placed(lp.view(B, -1), e.view(B, -1) if e is not None else None, cols, T, target_mask)
     if keep is not None:
