@@ -1,9 +1,11 @@
-"""Per-token log-probabilities and entropy without a full-batch fp32 log-softmax.
+"""Per-token log-probabilities and entropy with no fp32 [tokens x vocabulary] kept for the backward.
 
-``log_softmax(logits.float(), -1).gather(...)`` materialises a [B, T, V] fp32 tensor (and keeps
-it for backward): for a 150k vocabulary and 8k tokens that is 4.9 GB. Here the rows are
-processed in chunks; for fp32/fp64 logits we use ``x_y - logsumexp(x)`` directly, and for
-bf16/fp16 logits each chunk is upcast on its own, so the peak extra memory is one chunk.
+``log_softmax(logits.float(), -1).gather(...)`` materialises a [B, T, V] fp32 tensor and keeps it
+for the backward: for a 150k vocabulary and 8k tokens that is 4.9 GB. Here (``models.fused_ce``)
+the rows run in chunks through one autograd function that saves only the logits the model
+returned and an fp32 log-sum-exp per token (stage a), and ``token_logps`` goes one step further
+where the model is a plain Hugging Face causal LM: it runs the decoder stack and applies the LM
+head itself, chunk by chunk, so the logits never exist (stage b).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_CHUNK_TOKENS = 4096
+from . import fused_ce, precision
+from .fused_ce import DEFAULT_CHUNK_TOKENS
 
 
 @functools.cache
@@ -37,52 +40,37 @@ def returned_kv_cache(out):
     return getattr(out, _cache_name())
 
 
-def _upcast(x: torch.Tensor) -> torch.Tensor:
-    """bf16/fp16 -> fp32; fp32 and fp64 stay as they are."""
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+def logps_and_entropy(logits: torch.Tensor, index: torch.Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, *,
+                      temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log softmax(logits / T)[..., index], entropy or None), both shaped like ``index``, in one
+    read of the logits per chunk. fp32 (fp64 for fp64 logits); the entropy is detached unless
+    ``entropy_grad``. logits: [..., V]; index: [...] (same leading shape). Differentiable; the
+    backward keeps the logits (no copy) and an fp32 log-sum-exp per row (``fused_ce``)."""
+    shape = index.shape
+    lp, ent = fused_ce.log_softmax_gather(logits.reshape(-1, logits.shape[-1]), index.reshape(-1),
+                                          temperature=temperature, chunk_tokens=chunk_tokens,
+                                          with_entropy=with_entropy, entropy_grad=entropy_grad)
+    return lp.reshape(shape), ent.reshape(shape) if ent is not None else None
 
 
 def selective_log_softmax(
     logits: torch.Tensor, index: torch.Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, *, temperature: float = 1.0
 ) -> torch.Tensor:
-    """log softmax(logits)[..., index] computed chunk by chunk. Returns fp32 (fp64 for fp64
-    logits), shape of ``index``.
-
-    logits: [..., V]; index: [...] (same leading shape). ``temperature`` divides the logits
-    chunk by chunk (no full-size scaled copy). Differentiable.
-    """
-    shape = index.shape
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_index = index.reshape(-1)
-    out = []
-    for start in range(0, flat_index.numel(), chunk_tokens):
-        chunk = _upcast(flat_logits[start : start + chunk_tokens])
-        if temperature != 1.0:
-            chunk = chunk / temperature
-        idx = flat_index[start : start + chunk_tokens]
-        picked = chunk.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
-        out.append(picked - torch.logsumexp(chunk, dim=-1))
-    if not out:
-        return torch.zeros(shape, dtype=torch.float32, device=logits.device)
-    return torch.cat(out).reshape(shape)
+    """log softmax(logits / T)[..., index] computed chunk by chunk. Returns fp32 (fp64 for fp64
+    logits), shape of ``index``. logits: [..., V]; index: [...] (same leading shape).
+    Differentiable (see ``logps_and_entropy``)."""
+    return logps_and_entropy(logits, index, chunk_tokens, temperature=temperature)[0]
 
 
 def entropy_from_logits(
     logits: torch.Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, *, temperature: float = 1.0
 ) -> torch.Tensor:
-    """Entropy H = logsumexp(x) - sum softmax(x) * x of each row, chunked, fp32. Shape logits.shape[:-1]."""
-    shape = logits.shape[:-1]
-    flat = logits.reshape(-1, logits.shape[-1])
-    out = []
-    for start in range(0, flat.shape[0], chunk_tokens):
-        chunk = _upcast(flat[start : start + chunk_tokens])
-        if temperature != 1.0:
-            chunk = chunk / temperature
-        p = torch.softmax(chunk, dim=-1)
-        out.append(torch.logsumexp(chunk, dim=-1) - (p * chunk).sum(-1))
-    if not out:
-        return torch.zeros(shape, dtype=torch.float32, device=logits.device)
-    return torch.cat(out).reshape(shape)
+    """Entropy H = -sum softmax(x) log softmax(x) of each row, chunked, fp32. Shape
+    logits.shape[:-1]; differentiable when the logits require a gradient."""
+    index = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+    return logps_and_entropy(logits, index, chunk_tokens, temperature=temperature, with_entropy=True,
+                             entropy_grad=logits.requires_grad)[1]
 
 
 def shifted_token_logps(logits: torch.Tensor, input_ids: torch.Tensor, *, temperature: float = 1.0,
@@ -99,13 +87,10 @@ def shifted_token_logps(logits: torch.Tensor, input_ids: torch.Tensor, *, temper
     # last column afterwards: slicing logits[:, :-1] first would make a non-contiguous view
     # that the chunked reshape copies whole ([B, T, V], kept for backward).
     target = torch.nn.functional.pad(input_ids[:, 1:], (0, 1))
-    lp = selective_log_softmax(logits, target, chunk_tokens, temperature=temperature)[:, :-1]
-    logps = torch.nn.functional.pad(lp, (1, 0), value=0.0)
-    ent = None
-    if with_entropy:
-        src = logits if entropy_grad else logits.detach()
-        e = entropy_from_logits(src, chunk_tokens, temperature=temperature)[:, :-1]
-        ent = torch.nn.functional.pad(e, (1, 0), value=0.0)
+    lp, e = logps_and_entropy(logits, target, chunk_tokens, temperature=temperature, with_entropy=with_entropy,
+                              entropy_grad=entropy_grad)
+    logps = torch.nn.functional.pad(lp[:, :-1], (1, 0), value=0.0)
+    ent = torch.nn.functional.pad(e[:, :-1], (1, 0), value=0.0) if e is not None else None
     return logps, ent
 
 
@@ -126,10 +111,37 @@ def right_padded(attention_mask: torch.Tensor) -> bool:
     return bool((m[:, 1:] <= m[:, :-1]).all())
 
 
+def _kept_columns(target_mask: torch.Tensor | None, T: int, keep: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The positions p whose next token p + 1 is a target in some row ([K], sorted), or None when
+    that is every position (or none): then the head runs at all of them. ``keep``: those positions
+    as the caller knows them on the host (``data.collate.keep_index``; a superset is fine, the other
+    rows' non-targets are zeroed anyway); else they are found on the device (one sync)."""
+    if target_mask is None or T < 2:
+        return None
+    if keep is None:
+        keep = target_mask[:, 1:].bool().any(0).nonzero().squeeze(-1)  # positions p predicting p + 1
+    return keep if 0 < keep.numel() < T - 1 else None
+
+
+def head_dtype(model: torch.nn.Module, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the model's own LM head would compute its logits in: the autocast dtype where
+    one is on (``bf16-mixed`` runs the forward under it), else the weight's."""
+    device = weight.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return precision.compute_dtype(model)
+
+
+def _hidden_states(backbone: torch.nn.Module, input_ids, attention_mask, position_ids, **kwargs) -> torch.Tensor:
+    """The decoder stack's last hidden states [B, T, d] (after the final norm): what the LM head reads."""
+    return backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                    **kwargs).last_hidden_state
+
+
 def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, temperature: float = 1.0, with_entropy: bool = False,
                 entropy_grad: bool = False, target_mask: torch.Tensor | None = None,
-                chunk_tokens: int = DEFAULT_CHUNK_TOKENS, keep: torch.Tensor | None = None,
+                chunk_tokens: int = DEFAULT_CHUNK_TOKENS, fused_head: bool = True, keep: torch.Tensor | None = None,
                 **model_kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the model and return (logps [B, T], entropy [B, T] or None), see shifted_token_logps.
 
@@ -137,9 +149,15 @@ def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, *, attention_ma
     softmax then run only at the positions that predict them (``logits_to_keep`` with an
     index tensor), which skips the prompt: for a 150k vocabulary the head is a large share of
     the compute and its logits most of the activation memory. ``keep``: those positions, where
-    the caller knows them on the host (``data.collate.keep_index``; a superset is fine, the
-    other rows' non-targets are zeroed anyway); else they are found on the device (one sync).
-    ``model_kwargs`` go to the model's forward (a packed row's layout: ``varlen.forward_kwargs``).
+    the caller knows them on the host (``_kept_columns``). ``model_kwargs`` go to the model's
+    forward (a packed row's layout: ``varlen.forward_kwargs``).
+
+    ``fused_head`` (stage b, ``models.fused_ce``): where the model is a plain Hugging Face causal
+    LM (``fused_ce.head_of``), run its decoder stack and apply the LM head here, one chunk of
+    positions at a time, so no [B, T, V] logits exist; the backward recomputes each chunk's
+    logits (one more product with the head's weight). Same numbers as the model's own head, to
+    float rounding. Elsewhere, or with ``fused_head=False``, the model's logits go through the
+    chunked log-softmax that keeps only them and a log-sum-exp per token (stage a).
 
     For packed rows pass ``position_ids`` that restart at 0 for each example and no
     attention mask: attention then runs example by example (``relign.models.varlen``, or
@@ -155,34 +173,71 @@ def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, *, attention_ma
     """
     if attention_mask is not None and position_ids is None and right_padded(attention_mask):
         attention_mask = None
-    if target_mask is not None and input_ids.shape[1] > 1:
-        if keep is None:
-            keep = target_mask[:, 1:].bool().any(0).nonzero().squeeze(-1)  # positions p predicting p + 1
-        if 0 < keep.numel() < input_ids.shape[1] - 1:
-            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                        logits_to_keep=keep, **model_kwargs)
-            logits = out.logits  # [B, K, V]
-            if logits.shape[1] == keep.numel():
-                B, T = input_ids.shape
-                lp = selective_log_softmax(logits, input_ids[:, keep + 1], chunk_tokens, temperature=temperature)
-                on = target_mask[:, keep + 1].to(lp.dtype)  # kept columns are shared by the rows: zero the others' non-targets
-                logps = lp.new_zeros(B, T).index_copy(1, keep + 1, lp * on)
-                ent = None
-                if with_entropy:
-                    e = entropy_from_logits(logits if entropy_grad else logits.detach(), chunk_tokens, temperature=temperature)
-                    ent = e.new_zeros(B, T).index_copy(1, keep + 1, e * on)
-                return logps, ent
-            # a model that ignores index-tensor logits_to_keep: fall through to the full path
+    B, T = input_ids.shape
+    keep = _kept_columns(target_mask, T, keep)
+    kw = dict(temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad, chunk_tokens=chunk_tokens)
+    parts = fused_ce.head_of(model) if fused_head else None
+    if parts is not None:  # stage b: no logits
+        backbone, weight = parts
+        hidden = _hidden_states(backbone, input_ids, attention_mask, position_ids, **model_kwargs)
+        cols = keep if keep is not None else torch.arange(max(T - 1, 0), device=input_ids.device)
+        h = hidden[:, cols]  # [B, K, d]: position p predicts token p + 1
+        targets = input_ids[:, cols + 1].reshape(-1)
+        lp, e = fused_ce.linear_log_softmax_gather(h.reshape(-1, h.shape[-1]), weight, targets,
+                                                   dtype=head_dtype(model, weight), **kw)
+        return _placed(lp.view(B, -1), e.view(B, -1) if e is not None else None, cols, T, target_mask)
+    if keep is not None:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                    logits_to_keep=keep, **model_kwargs)
+        logits = out.logits  # [B, K, V]
+        if logits.shape[1] == keep.numel():
+            lp, e = logps_and_entropy(logits, input_ids[:, keep + 1], **kw)
+            return _placed(lp, e, keep, T, target_mask)
+        # a model that ignores index-tensor logits_to_keep: fall through to the full path
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                 **model_kwargs)
-    logps, ent = shifted_token_logps(
-        out.logits, input_ids, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
-        chunk_tokens=chunk_tokens,
-    )
+    logps, ent = shifted_token_logps(out.logits, input_ids, **kw)
     if target_mask is not None:  # every column was a target somewhere: still 0 at this row's non-targets
         on = target_mask.to(logps.dtype)
         logps, ent = logps * on, ent * on if ent is not None else None
     return logps, ent
+
+
+def _placed(lp: torch.Tensor, ent: torch.Tensor | None, cols: torch.Tensor, T: int, target_mask: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) [B, K] of the tokens after positions ``cols`` back in the [B, T]
+    layout (column p + 1 scores token p + 1; column 0 and every column not kept are 0), zero at
+    each row's non-targets: kept columns are shared by the rows."""
+    B = lp.shape[0]
+    on = target_mask[:, cols + 1].to(lp.dtype) if target_mask is not None else None
+    place = lambda x: x.new_zeros(B, T).index_copy(1, cols + 1, x * on if on is not None else x)  # noqa: E731
+    return place(lp), place(ent) if ent is not None else None
+
+
+def weighted_token_logps(model: torch.nn.Module, input_ids: torch.Tensor, weights: torch.Tensor, *,
+                         attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS, keep: torch.Tensor | None = None,
+                         **model_kwargs) -> torch.Tensor | None:
+    """S = sum_{b,t} weights[b, t] * log p(x_t | x_<t) (``token_logps``'s alignment), for a loss
+    that is a fixed weighted sum of log-probs (SFT: ``aggregate(-logps, ...)`` is -S for the
+    weights of its reduction). The fused head (``fused_ce.LinearWeightedSum``) computes the
+    gradients in the forward, so no logits exist and none are recomputed. Returns None where the
+    model is not a plain causal LM (``fused_ce.head_of``): the caller then takes ``token_logps``."""
+    parts = fused_ce.head_of(model)
+    if parts is None:
+        return None
+    if attention_mask is not None and position_ids is None and right_padded(attention_mask):
+        attention_mask = None
+    B, T = input_ids.shape
+    backbone, weight = parts
+    hidden = _hidden_states(backbone, input_ids, attention_mask, position_ids, **model_kwargs)
+    keep = _kept_columns(weights != 0, T, keep)
+    cols = keep if keep is not None else torch.arange(max(T - 1, 0), device=input_ids.device)
+    h = hidden[:, cols]
+    s, _ = fused_ce.linear_weighted_sum(h.reshape(-1, h.shape[-1]), weight, input_ids[:, cols + 1].reshape(-1),
+                                        weights[:, cols + 1].reshape(-1), dtype=head_dtype(model, weight),
+                                        chunk_tokens=chunk_tokens)
+    return s
 
 
 def shared_prefix_token_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -288,8 +343,8 @@ def response_token_logps(model: torch.nn.Module, prefix: PromptPrefix, input_ids
     pos = torch.tensor(plen, device=dev).unsqueeze(-1) + torch.arange(R, device=dev).unsqueeze(0)
     out = model(input_ids=resp_ids, attention_mask=full_mask, position_ids=pos, use_cache=True, **kv_cache_kwargs(cache))
     logits = torch.cat([prefix.first, out.logits[:, :-1]], dim=1)  # [N, R, V]: position j predicts response token j
-    lp = selective_log_softmax(logits, resp_ids, chunk_tokens, temperature=temperature)  # [N, R]
-    ent = entropy_from_logits(logits if entropy_grad else logits.detach(), chunk_tokens, temperature=temperature) if with_entropy else None
+    lp, ent = logps_and_entropy(logits, resp_ids, chunk_tokens, temperature=temperature, with_entropy=with_entropy,
+                                entropy_grad=entropy_grad)  # [N, R]
     # back to the full-row layout
     # Padding positions of a row with a short prompt can point past column L - 1: scatter into a
     # wider buffer and cut it, so they never land on (and overwrite) a real token's column.

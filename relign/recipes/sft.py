@@ -33,7 +33,7 @@ from ..models.budget import device_tokens
 from ..models.cp import cp_token_logps
 from ..models.flops import ModelFlops, model_flops
 from ..models.loading import load_model_tokenizer
-from ..models.logprobs import token_logps
+from ..models.logprobs import token_logps, weighted_token_logps
 from ..models.varlen import forward_kwargs, packed_attention
 from . import RunResult, build, frame
 
@@ -84,6 +84,25 @@ def _forward(model, mb: dict, cp_group=None) -> torch.Tensor:
         return logps
     logps, _ = token_logps(model, mb["input_ids"], attention_mask=mb["attention_mask"], target_mask=mb["loss_mask"])
     return logps  # [B, T]
+
+
+def _loss(model, mb: dict[str, torch.Tensor], loss_agg: str, normalizer: torch.Tensor, cp_group=None) -> torch.Tensor:
+    """The micro-batch's share of the step's loss, aggregate(-log p, loss_mask, loss_agg, N)."""
+    mask, seg = mb["loss_mask"], mb["segment_ids"]
+    if cp_group is None:
+        # the loss is linear in log p: -sum_t c_t log p_t, c each token's weight in the reduction. With
+        # c known before the forward the fused LM head takes its gradients there, and no logits exist
+        v = torch.zeros(mask.shape, device=mask.device, requires_grad=True)
+        with torch.enable_grad():
+            (c,) = torch.autograd.grad(aggregate(v, mask, loss_agg, normalizer, segment_ids=seg), v)
+        if "packing" in mb:  # the collator's layout and LM-head positions, as in _forward
+            s = weighted_token_logps(model, mb["input_ids"], c, position_ids=mb["position_ids"], keep=mb["keep"],
+                                     **forward_kwargs(model, mb["packing"]))
+        else:
+            s = weighted_token_logps(model, mb["input_ids"], c, attention_mask=mb["attention_mask"])
+        if s is not None:
+            return -s
+    return aggregate(-_forward(model, mb, cp_group), mask, loss_agg, normalizer, segment_ids=seg)
 
 
 def _load_data(cfg: Config, tok) -> tuple[list[SFTExample], list[SFTExample], dict[str, float]]:
@@ -140,9 +159,8 @@ def accumulate_gradients(
     normalizer = distributed.all_reduce_sum(count)
     scale, cp_group = distributed.grad_scale(), distributed.cp_group()
     loss_sum = torch.zeros((), device=device)
-    for mb, real in micro:
-        logps = _forward(model, mb, cp_group)  # [B, T]; under context parallel, only this rank's chunk's targets
-        loss = aggregate(-logps, mb["loss_mask"], loss_agg, normalizer, segment_ids=mb["segment_ids"]) * float(real)
+    for mb, real in micro:  # a filler pass (real False) keeps the ranks in lockstep and adds nothing
+        loss = _loss(model, mb, loss_agg, normalizer, cp_group) * float(real)  # under cp, this rank's chunk's targets
         # FSDP averages gradients over ranks; scale so that they sum instead (N is global).
         (loss * scale).backward()
         loss_sum += loss.detach()

@@ -73,8 +73,8 @@ def test_packed_pairs_run_each_prompt_once(models, monkeypatch):
     _, packed = models
     pairs = _pairs()
     seen = []
-    real = packed.forward
-    monkeypatch.setattr(packed, "forward", lambda input_ids=None, **kw: seen.append(input_ids.shape[1]) or real(input_ids=input_ids, **kw))
+    real = packed.model.forward  # the decoder stack: the model's own forward and the fused head (token_logps) both run it
+    monkeypatch.setattr(packed.model, "forward", lambda input_ids=None, **kw: seen.append(input_ids.shape[1]) or real(input_ids=input_ids, **kw))
     with torch.no_grad():
         sequence_logps(packed, collate_pairs(pairs, 0, "cpu"), share_prompt=True, packed=True)
     assert seen == [sum(len(p.chosen_ids) + len(p.rejected_ids) - p.prompt_len + 1 for p in pairs)]

@@ -453,8 +453,8 @@ def test_packed_groups_run_each_prompt_once(proto, batch, monkeypatch):
     model = copy.deepcopy(proto)
     assert varlen.enable(model)
     seen = []
-    real = model.forward
-    monkeypatch.setattr(model, "forward", lambda input_ids=None, **kw: seen.append(input_ids.shape) or real(input_ids=input_ids, **kw))
+    real = model.model.forward  # the decoder stack: the model's own forward and the fused head (token_logps) both run it
+    monkeypatch.setattr(model.model, "forward", lambda input_ids=None, **kw: seen.append(input_ids.shape) or real(input_ids=input_ids, **kw))
     with torch.no_grad():
         forward_logps(model, batch, torch.arange(batch.size), PACKED_SHARED, temperature=1.0)
     P, T = batch.prompt_lens, batch.seq_lens
