@@ -35,7 +35,9 @@ def _residual_dtype(model) -> torch.dtype:
 
 
 def _logps_and_grads(model):
-    logps, _ = token_logps(model, IDS)
+    # the model's own LM head (fused_head=False): the fused head (models.fused_ce) sums the head's
+    # weight gradient in fp32 whatever the model's dtype, so the bf16-stored model's would differ
+    logps, _ = token_logps(model, IDS, fused_head=False)
     (-logps.sum()).backward()
     return logps.detach(), {n: p.grad for n, p in model.named_parameters()}
 
