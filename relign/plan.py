@@ -281,32 +281,46 @@ def adamw_bytes(trainable: int, p: int) -> int:
     return 2 * trainable * p
 
 
-def weight_copy_bytes(s: Shape, prec: Precision, *, lean: bool, layers: int | None = None, tp: int = 1) -> int:
+def weight_copy_bytes(s: Shape, prec: Precision, *, lean: bool, layers: int | None = None, tp: int = 1,
+                      head: bool = True) -> int:
     """The bf16 copies of fp32 weights that a forward makes and autograd keeps for the backward
     (``models/precision.py``). bf16-mixed: autocast's weight cache, 2 x (L x the attention projections
     + V d for the LM head), and L x 3 d I more without lean activations (the lean SwiGLU keeps the
     fp32 MLP weights and casts in its backward). bf16-compute: the cast copy of every weight,
     2 x (L x (attention + MLP + 2 d) + V d) (the norms' weights too, a few d). ``layers``: how many
     layers hold their copies at once (L; 1 under gradient checkpointing, whose layers run again one at
-    a time). Tensor parallel: each rank casts its 1/tp of the layers' projections, the head whole."""
+    a time). Tensor parallel: each rank casts its 1/tp of the layers' projections, the head whole.
+    ``head=False`` (stage b, the fused LM head): the model's own head does not run, so no copy of its
+    weight is kept (the fused head casts its own in each pass, ``fused_head_bytes``; an embedding
+    lookup keeps no copy of its table): no V d."""
     n = s.layers if layers is None else layers
+    vd = s.embedding if head else 0
     if prec.cast:
-        return prec.compute * (n * (s.attention_linear + s.mlp_linear) // tp + n * 2 * s.d + s.embedding)
+        return prec.compute * (n * (s.attention_linear + s.mlp_linear) // tp + n * 2 * s.d + vd)
     if not prec.mixed:
         return 0
     per_layer = s.attention_linear + (0 if lean else s.mlp_linear)
-    return prec.compute * (n * per_layer // tp + s.embedding)
+    return prec.compute * (n * per_layer // tp + vd)
 
 
-def embedding_grad_bytes(s: Shape, p: int, *, accumulating: bool, head: bool = True) -> int:
-    """The end of a backward, past the loss's logits: the embedding matrix's gradients beside the
-    others. Tied to the LM head, the head's weight gradient (V d) and the embedding's (a dense V d:
-    ``EmbeddingBackward``) are summed (V d more) before they join ``.grad``: 2 V d b_p, and 3 V d b_p
-    when ``.grad`` already holds an earlier micro-batch's. Untied, or a model without the head
-    (a critic): the embedding's alone, V d b_p."""
-    if head and s.tied:
-        return (3 if accumulating else 2) * s.embedding * p
-    return s.embedding * p
+def embedding_grad_bytes(s: Shape, p: int, *, accumulating: bool, head: bool = True, in_place: bool = False,
+                         upcast: bool = False) -> int:
+    """The end of a backward, past the loss's head: the embedding matrix's gradients beside the
+    others (whose ``.grad``, the embedding's included, ``grad_bytes`` counts). Tied to the LM head,
+    the head's weight gradient (V d) and the embedding's (a dense V d: ``EmbeddingBackward``) are
+    summed before they join ``.grad``. Where the head's arrives as a tensor of its own (``in_place``:
+    the fused head's dW, stage b; autocast's cast back to fp32 under bf16-mixed) the sum goes into
+    it, which then becomes ``.grad``: V d b_p beyond it, 2 V d b_p when ``.grad`` already holds an
+    earlier micro-batch's. Where it is a transposed product (stage a in fp32 or bf16) the sum is a
+    new tensor: 2 V d b_p, and 3 V d b_p when accumulating. ``upcast`` (bf16-compute on stage b):
+    the embedding's comes from its bf16 copy and is cast up, 2 V d more. (Measured on the allocator,
+    tests/test_plan.py.) Untied, or a model without the head (a critic): the embedding's alone,
+    V d b_p."""
+    if not (head and s.tied):
+        return s.embedding * p
+    if in_place:
+        return (2 if accumulating else 1) * s.embedding * p + (2 * s.embedding if upcast else 0)
+    return (3 if accumulating else 2) * s.embedding * p
 
 
 def grad_norm_bytes(largest: int) -> int:
@@ -366,17 +380,19 @@ def position_bytes(s: Shape, positions: int) -> int:
     return 8 * s.head_dim * positions
 
 
-def head_input_bytes(s: Shape, tokens: int, positions: int, prec: Precision) -> int:
+def head_input_bytes(s: Shape, tokens: int, positions: int, prec: Precision, *, fused: bool = False) -> int:
     """Kept around the LM head: the final norm's input and 1/rms (b d + 4 per token, b the residual
     stream's: 4 under fp32 and bf16-mixed) and the normalized hidden states of the kept positions the
-    head multiplies (b_c d per kept position, as fp32 too under bf16-mixed: the norm's output before
-    autocast's cast)."""
-    return (prec.activation * s.d + 4) * tokens + (prec.compute + (4 if prec.mixed else 0)) * s.d * positions
+    head multiplies (b_c d per kept position; as fp32 too under bf16-mixed on stage a: the norm's
+    output before autocast's cast). Stage b (``fused``) keeps b_c d per position: the h its
+    backward recomputes the logits from, or (SFT) the gradient dh it took in the forward."""
+    kept = prec.compute + (4 if prec.mixed and not fused else 0)
+    return (prec.activation * s.d + 4) * tokens + kept * s.d * positions
 
 
 def activation_bytes(s: Shape, tokens: int, positions: int, prec: Precision, *, lean: bool = True,
                      checkpointing: bool = False, packed: bool = False, rope_positions: int | None = None,
-                     tp: int = 1) -> int:
+                     tp: int = 1, fused: bool = False) -> int:
     """Everything a training forward of ``tokens`` tokens keeps for its backward but the logits:
     L x ``layer_saved_bytes`` + ``position_bytes`` + ``head_input_bytes``.
 
@@ -386,51 +402,110 @@ def activation_bytes(s: Shape, tokens: int, positions: int, prec: Precision, *, 
     one = layer_saved_bytes(s, tokens, prec, lean=lean, packed=packed, tp=tp)
     layers = s.layers * prec.activation * s.d * tokens + one if checkpointing else s.layers * one
     return layers + position_bytes(s, tokens if rope_positions is None else rope_positions) + \
-        head_input_bytes(s, tokens, positions, prec)
+        head_input_bytes(s, tokens, positions, prec, fused=fused)
+
+
+def _chunks(positions: int, chunk: int) -> tuple[int, int]:
+    """(c, c_2) of K positions cut in chunks of ``chunk``: the first chunk's size, and the size of
+    the chunk that runs while a full chunk's result is still held (the second; c_2 = 0 for one chunk)."""
+    c = min(positions, chunk)
+    n = math.ceil(positions / chunk)
+    return c, (0 if n == 1 else c if n > 2 else positions - c)
+
+
+def _scaled(prec: Precision, temperature: float) -> int:
+    """u: the bytes per element of a chunk's fp32 z = x / T when it is a new tensor (bf16 logits, or T != 1), else 0."""
+    return 4 if prec.compute != 4 or temperature != 1.0 else 0
 
 
 def logits_bytes(positions: int, vocab: int, *, grad: bool = True, prec: Precision | None = None,
-                 chunk: int = CHUNK_TOKENS, entropy: bool = False) -> int:
-    """The loss's logits as ``models/logprobs.selective_log_softmax`` keeps them, at their peak; K
-    positions in chunks of c = min(K, 4096) (the last one c_l), b the logits' dtype (the compute's).
-    Counted with the allocator on a linear head (tests/test_plan.py).
+                 chunk: int = CHUNK_TOKENS, entropy: bool = False, entropy_grad: bool = False,
+                 temperature: float = 1.0, adapted: bool = False) -> int:
+    """Stage a: the model's own logits through ``models/fused_ce.LogSoftmaxGather`` (the shared-prefix
+    layout, context parallel, FSDP2, other architectures, an adapted LM head), at their peak. K
+    positions in chunks of c = min(K, 4096), b the logits' dtype (the compute's), u = 4 where a
+    chunk's fp32 z = x / T is a copy (bf16 logits, or T != 1; else z is the logits themselves).
+    Counted with the allocator (tests/test_plan.py).
 
-    With gradients, one chunk (K <= 4096): the fp32 logits are saved (logsumexp keeps its input:
-    the model's fp32 logits, or the fp32 upcast of bf16 ones) and the backward of logsumexp makes
-    three fp32 temporaries (x - lse, its exp, times the gradient): 16 K V bytes, whatever b.
-    Several chunks: each chunk's gradient is scattered into a full-size [K, V] buffer
-    (``SliceBackward``) and summed into another: fp32 logits 4 V max(2 K + 3 c, 3 K + c); bf16
-    logits (whose fp32 upcasts go chunk by chunk) V max(4 K + 12 c_l, 4 (K - c_l) + 2 K + 12 c).
-    ``entropy`` (RL's update logs it, detached): in the forward the entropy of each chunk beside the
-    kept logits (and bf16 logits' saved fp32 upcasts), with the chunk's softmax and logsumexp's
-    x - max (or p x), and its fp32 upcast of bf16 logits: fp32 4 K + 8 c, bf16 6 K + 12 c.
-    Without gradients (a reference or eval pass): the logits, and a chunk's fp32 upcast and
-    logsumexp's x - max: b K V + 8 c V (fp32: the upcast is the logits themselves, 4 K V + 4 c V)."""
+    Forward, at a chunk: the logits beside the chunk's z and logsumexp's exp(z - max) (4 c), or
+    with the entropy (RL's update logs it) log p, p and p log p (12 c): b K V + (u + 4 | 12) c V.
+    Backward: the saved logits (no copy), their gradient (b K V, written chunk by chunk) and one
+    chunk's z and log p, turned in place into its gradient (4 c; with a differentiated entropy p
+    too, 4 c more): 2 b K V + (u + 4 (+ 4)) c V. Without gradients (a reference or eval pass):
+    the forward's. ``adapted`` (LoRA on ``lm_head``): peft's forward holds the base product, the
+    adapter's B A h and its scaled copy at once before their sum, 3 b K V."""
     if positions <= 0:
         return 0
     K, b = positions, (prec.compute if prec is not None else 4)
     c = min(K, chunk)
-    chunks = math.ceil(K / chunk)
-    last = K - (chunks - 1) * c
+    u = _scaled(prec or Precision.of("fp32"), temperature)
+    forward = max(b * K + (u + (12 if entropy else 4)) * c, 3 * b * K if adapted else 0)
     if not grad:
-        return vocab * (4 * K + 4 * c if b == 4 else b * K + 8 * c)
-    if chunks == 1:
-        backward = 16 * K
-    elif b == 4:
-        backward = 4 * max(2 * K + 3 * c, 3 * K + c)
-    else:
-        backward = max(4 * K + 12 * last, 4 * (K - last) + 2 * K + 12 * c)
-    forward = (4 * K + 8 * c if b == 4 else 6 * K + 12 * c) if entropy else 0
-    return vocab * max(backward, forward)
+        return vocab * forward
+    backward = 2 * b * K + (u + 4 + (4 if entropy_grad else 0)) * c
+    return vocab * max(forward, backward)
 
 
-def nograd_forward_bytes(s: Shape, tokens: int, positions: int, prec: Precision) -> int:
+def fused_head_bytes(s: Shape, positions: int, prec: Precision, *, grad: bool = True, weighted: bool = False,
+                     head_grad: bool = True, chunk: int = CHUNK_TOKENS, entropy: bool = False,
+                     entropy_grad: bool = False, temperature: float = 1.0) -> int:
+    """Stage b: the LM head applied by ``models/fused_ce`` one chunk of positions at a time, so no
+    [K, V] logits exist (``fused_ce.head_of``: plain Qwen2/3, Llama, Mistral on one process; docs/plan.md),
+    at its peak beyond the saved head input (``head_input_bytes``). K positions in chunks of c
+    (c_2: the chunk that runs while the previous chunk's gradient is still held, 0 for one chunk),
+    b = b_c, u as in ``logits_bytes``; W_c = b_c V d, the head's weight cast to the compute dtype
+    in each pass (where the weights are fp32 and the compute bf16: bf16-mixed, bf16-compute; else 0);
+    dW = 4 V d, the head's fp32 weight gradient (``head_grad``: not under LoRA, whose head is frozen);
+    dh = b_c K d. A chunk's arithmetic: its logits x (b c), z (u c), and logsumexp's temporary or
+    log p (4 c); with the entropy log p, p and p log p (12 c); with a differentiated entropy p (4 c).
+
+    * ``LinearLogSoftmaxGather`` (DPO, the RL update, recomputed in the backward), forward:
+      W_c + (b + u + 4 | 12) c V; backward: dh + dW + W_c + V max((b + u + 4 (+ 4)) c,
+      b c + (b + u + 4 (+ 4)) c_2), the previous chunk's gradient (b c) held while the next runs;
+      a bf16 weight (``model.dtype=bf16``) then gets its gradient cast from dW (2 V d, after the chunks).
+    * ``LinearWeightedSum`` (SFT, gradients in the forward), forward: dW + W_c + b_c K d (the h it
+      multiplies) + V max((b + u + 4) c, b c + (b + u + 4) c_2, 2 b c + b c_2), the last when the
+      next chunk's logits are made beside the previous chunk's and its gradient; backward: dW and
+      its scaled copy (8 V d, + 2 V d for a bf16 weight) beside dh and its (2 b_c K d).
+    * Without gradients (reference, old log-probs, eval): the recomputing forward's, no dh, no dW.
+    Left out: the [V, d] temporary of a bf16 chunk's weight-gradient product (b_c V d, beside the
+    chunk's gradient only: below the chunk's peak for c > d / 5) and the [T, d] final hidden states
+    a forward holds while the head runs (d of V)."""
+    if positions <= 0:
+        return 0
+    K, V, d, b = positions, s.vocab, s.d, prec.compute
+    c, c2 = _chunks(K, chunk)
+    u = _scaled(prec, temperature)
+    cast = b * V * d if prec.param != prec.compute else 0
+    forward = cast + (b + u + (12 if entropy else 4)) * c * V
+    if not grad:
+        return forward
+    dw = 4 * V * d if head_grad else 0
+    to_bf16 = 2 * V * d if head_grad and prec.param == 2 else 0
+    dh = b * K * d
+    x = b + u + 4 + (4 if entropy_grad and not weighted else 0)  # a chunk's gradient, bytes per element of c V
+    if weighted:
+        chunks = V * max(x * c, b * c + x * c2, 2 * b * c + b * c2)
+        return max(dw + cast + dh + chunks, 2 * dw + 2 * dh + to_bf16)
+    return max(forward, dh + dw + cast + max(V * max(x * c, b * c + x * c2), to_bf16))
+
+
+def nograd_forward_bytes(s: Shape, tokens: int, positions: int, prec: Precision, *, fused: bool = False,
+                         copies: int = 0, temperature: float = 1.0, adapted: bool = False) -> int:
     """The peak of a forward without gradients (reference, old log-probs, eval, a prefill): the
     residual stream and the widest intermediates of one layer at a time, b_c (2 d + 3 I) T + 4 d T
-    (gate, up and their product beside the hidden states), then the logits: ``logits_bytes`` without
-    gradients."""
+    (gate, up and their product beside the hidden states), then the LM head beside the hidden
+    states (4 d T): the logits (stage a, ``logits_bytes`` without gradients) or one chunk's
+    (stage b, ``fused``: ``fused_head_bytes`` without gradients). ``copies``: bf16-compute's cast
+    copy of every weight, made at the forward's start and dropped when the decoder stack returns,
+    before the fused head runs (stage a's head runs inside the model's forward, beside them).
+    ``adapted``: LoRA on the LM head (stage a, ``logits_bytes``)."""
     layer = (prec.compute * (2 * s.d + 3 * s.intermediate) + 4 * s.d) * tokens
-    return max(layer, 4 * s.d * tokens + logits_bytes(positions, s.vocab, grad=False, prec=prec))
+    if fused:
+        head = fused_head_bytes(s, positions, prec, grad=False, temperature=temperature)
+        return max(layer + copies, 4 * s.d * tokens + head)
+    return copies + max(layer, 4 * s.d * tokens + logits_bytes(positions, s.vocab, grad=False, prec=prec,
+                                                               temperature=temperature, adapted=adapted))
 
 
 # --------------------------------------------------------------------------- terms: the rollout engine
@@ -656,11 +731,12 @@ def largest_fitting(fits: Callable[[int], bool], low: int, high: int) -> int:
 def per_token_bytes(s: Shape, prec: Precision, *, lean: bool = True, checkpointing: bool = False, packed: bool = True,
                     logit_share: float = 1.0) -> float:
     """A training micro-batch's bytes per token: its saved activations, rotary table and head inputs,
-    plus its logits at a ``logit_share`` of its positions, priced at 16 V bytes (the saved fp32
-    logits and the three temporaries of one chunk's backward, ``logits_bytes``; more chunks cost
-    less per position)."""
+    plus its logits at a ``logit_share`` of its positions, priced at 12 V bytes (stage a's backward
+    in one chunk: the saved logits, their gradient, and the chunk's fp32 z and log p, whatever the
+    logits' dtype, ``logits_bytes``; more chunks cost less per position, and the fused head, stage b,
+    far less: the estimate errs safe)."""
     act = activation_bytes(s, 1, 0, prec, lean=lean, checkpointing=checkpointing, packed=packed)
-    return act + logit_share * (head_input_bytes(s, 0, 1, prec) + 16 * s.vocab)
+    return act + logit_share * (head_input_bytes(s, 0, 1, prec) + 12 * s.vocab)
 
 
 def fitting_tokens(s: Shape, prec: Precision, free: int, *, lean: bool = True, checkpointing: bool = False,

@@ -159,35 +159,87 @@ def test_autocast_copies_are_the_ones_the_backward_keeps():
     assert sum(seen.values()) == P.weight_copy_bytes(s, P.Precision.of("bf16-mixed"), lean=True) == 2 * (2 * 12_288 + 64_000)
 
 
-@pytest.mark.parametrize("K, chunk, dtype, entropy", [
-    (256, 4096, torch.float32, False), (256, 4096, torch.bfloat16, False), (1024, 256, torch.float32, False),
-    (1000, 300, torch.bfloat16, False), (256, 4096, torch.bfloat16, True), (1024, 256, torch.float32, True)])
-def test_the_loss_logits_peak_as_the_allocator_counts_it(K, chunk, dtype, entropy):
+def _head_peak(path: str, K: int, chunk: int, dtype: str, *, entropy: bool = False, V: int = 2000, d: int = 8) -> int:
+    """The allocator's peak of one LM head's forward and backward over K positions (``path``: a, the
+    model's logits through LogSoftmaxGather; b, the fused head recomputing in its backward; w, the
+    fused head taking its gradients in the forward), on leaves h [K, d] and W [V, d] as the model
+    holds them (``dtype``: a model.dtype)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from relign.models.logprobs import entropy_from_logits, selective_log_softmax
+    from relign.models import fused_ce
+    from relign.models.logprobs import logps_and_entropy
 
-    V, d = 2000, 8
-    h = torch.randn(K, d, dtype=dtype, requires_grad=True)
-    w = torch.randn(V, d, dtype=dtype, requires_grad=True)
+    prec = P.Precision.of(dtype)
+    weights, compute = (torch.float32 if b == 4 else torch.bfloat16 for b in (prec.param, prec.compute))
+    torch.manual_seed(0)
+    h = torch.randn(K, d, dtype=compute, requires_grad=True)
+    w = torch.randn(V, d, dtype=weights, requires_grad=True)
     idx = torch.randint(0, V, (K,))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        logits = h @ w.t()  # the LM head's output; the model's forward drops it once the log-probs are taken
-        lp = selective_log_softmax(logits, idx, chunk)
-        if entropy:  # as RL's update logs it: detached, in the forward
-            entropy_from_logits(logits.detach(), chunk)
-        del logits
-        lp.sum().backward()
-    peak = plan_check.allocation_peak(prof.profiler.kineto_results)
-    prec = P.Precision.of("fp32" if dtype == torch.float32 else "bf16")
-    predicted = P.logits_bytes(K, V, prec=prec, chunk=chunk, entropy=entropy)
+        if path == "a":
+            logits = h @ w.t()  # the LM head's output; the model's forward drops it once the log-probs are taken
+            lp, _ = logps_and_entropy(logits, idx, chunk, with_entropy=entropy)  # RL's update logs it, detached
+            del logits
+            loss = lp.sum()
+        elif path == "b":
+            loss = fused_ce.linear_log_softmax_gather(h, w, idx, dtype=compute, chunk_tokens=chunk, with_entropy=entropy)[0].sum()
+        else:
+            loss = fused_ce.linear_weighted_sum(h, w, idx, torch.rand(K), dtype=compute, chunk_tokens=chunk)[0]
+        loss.backward()
+    return plan_check.allocation_peak(prof.profiler.kineto_results)
+
+
+@pytest.mark.parametrize("K, chunk, dtype, entropy", [
+    (256, 4096, "fp32", False), (256, 4096, "bf16", False), (1024, 256, "fp32", False), (1000, 300, "bf16", False),
+    (256, 4096, "bf16", True), (1024, 256, "fp32", True)])
+def test_the_loss_logits_peak_as_the_allocator_counts_it(K, chunk, dtype, entropy):
+    """Stage a: the model's logits through LogSoftmaxGather (the shared-prefix layout, FSDP2, context parallel,
+    other architectures)."""
+    V = 2000
+    peak = _head_peak("a", K, chunk, dtype, entropy=entropy, V=V)
+    predicted = P.logits_bytes(K, V, prec=P.Precision.of(dtype), chunk=chunk, entropy=entropy)
     if chunk >= K:
-        # one chunk, by hand: the saved fp32 logits and three fp32 temporaries of logsumexp's backward, 16 K V;
-        # with bf16 logits' entropy in the forward, the bf16 logits (2), their saved upcast (4), and the
-        # entropy's upcast, softmax and logsumexp temporary (4 each): 18 K V
-        assert predicted == (18 if entropy and dtype == torch.bfloat16 else 16) * K * V
+        # one chunk, by hand, fp32 (b = 4, z the logits themselves): the backward's saved logits and their gradient
+        # (4 + 4) and log p turned into the chunk's gradient in place (4): 12 K V; bf16 (b = 2): 2 + 2 and the chunk's
+        # fp32 z and log p (4 + 4): 12 K V too. With the entropy in the forward: the bf16 logits (2) beside the chunk's
+        # z, log p, p and p log p (4 each): 18 K V
+        assert predicted == (18 if entropy else 12) * K * V
     # the allocator also sees the head's small inputs' gradients and the [K] outputs: under 1% here
     assert predicted <= peak <= predicted * 1.01
+
+
+@pytest.mark.parametrize("path, K, chunk, dtype, entropy", [
+    ("b", 256, 4096, "fp32", False), ("b", 256, 4096, "bf16-mixed", True), ("b", 1024, 256, "fp32", True),
+    ("b", 1000, 300, "bf16-mixed", False), ("b", 1000, 300, "bf16", False), ("w", 256, 4096, "fp32", False),
+    ("w", 256, 4096, "bf16-mixed", False), ("w", 1024, 256, "bf16", False), ("w", 600, 400, "fp32", False)])
+def test_the_fused_head_peaks_as_the_allocator_counts_it(path, K, chunk, dtype, entropy):
+    """Stage b: the LM head applied chunk by chunk (plain Qwen2/3, Llama, Mistral on one process), recomputing
+    its chunks in the backward (DPO, the RL update, b) or taking its gradients in the forward (SFT, w)."""
+    V, d = 2000, 8
+    peak = _head_peak(path, K, chunk, dtype, entropy=entropy, V=V, d=d)
+    s = P.Shape(d=d, layers=1, heads=1, kv_heads=1, head_dim=d, intermediate=d, vocab=V)
+    predicted = P.fused_head_bytes(s, K, P.Precision.of(dtype), weighted=path == "w", chunk=chunk, entropy=entropy)
+    if (path, K, dtype) == ("b", 256, "fp32"):
+        # one chunk, by hand: the backward's fp32 weight gradient dW (4 V d) and dh (4 K d) beside the chunk's
+        # recomputed logits and log p, turned into its gradient in place (4 + 4): 8 K V + 4 V d + 4 K d
+        assert predicted == 8 * K * V + 4 * V * d + 4 * K * d == 4_168_192
+    if (path, K, dtype) == ("w", 600, "fp32"):
+        # two chunks, 400 and 200: the second's logits (4 x 200) are made while the first's (4 x 400) and its
+        # gradient (4 x 400) are held: 4,000 V, + dW (4 V d) and h (4 K d)
+        assert predicted == 4_000 * V + 4 * V * d + 4 * K * d == 8_083_200
+    # the allocator also sees the [K] outputs and the gradients' last small casts: under 1% here
+    assert predicted * 0.99 <= peak <= predicted * 1.01
+
+
+def test_the_plan_fuses_the_heads_the_model_code_fuses():
+    from relign.models import fused_ce
+    from relign.recipes import memory
+
+    assert [f"{t}ForCausalLM".lower() for t in memory.FUSED_TYPES] == [c.lower() for c in fused_ce.PLAIN_CAUSAL_LMS]
+    assert memory.head_stage_a("qwen2", lora_head=False, ranks=1) == ""
+    assert "LoRA" in memory.head_stage_a("llama", lora_head=True, ranks=1)
+    assert "FSDP2" in memory.head_stage_a("qwen3", lora_head=False, ranks=2)
+    assert "not a plain causal LM" in memory.head_stage_a("gemma2", lora_head=False, ranks=1)
 
 
 def test_the_engine_cache_is_the_one_the_plan_counts(tiny_model_dir):
@@ -295,12 +347,14 @@ def test_a_run_over_the_device_stops_in_one_line_before_any_weights_load(qwen05,
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     # the train stage, by hand: 494,032,768 fp32 weights and AdamW's 2 moments (12 B each: 5.52 GiB; one micro-batch a
-    # step, so no gradient yet at the loss's backward), the logits of 16 x 2,047 = 32,752 positions in 8 chunks of
-    # 4,096 (4 x 151,936 x (3 x 32,752 + 4,096) B = 57.9 GiB) and the activations of 32,768 tokens: 4 (4 x 896 + 2 x 896
-    # + 2 x 128 + 2 x 4,864 + 896 packed) + 4 x 14 + 8 = 65,088 B per token and layer, x 24 x 32,768 = 47.7 GiB, and
-    # 0.2 GiB around the head: 111 GiB
-    assert lines == ["relign sft: error: plan: the train stage needs 111 GiB per rank, more than the 23.0 GiB available on "
-                     "RTX 4090 24 GB; lower micro_batch_size to 2 or less (now 16), or set plan.check=false to start anyway"]
+    # step, so no gradient yet at the loss's backward); the fused LM head (stage b: SFT takes its gradients in the
+    # forward) over 16 x 2,047 = 32,752 positions in chunks of 4,096: the fp32 weight gradient (4 x 151,936 x 896 B),
+    # the saved h (4 x 32,752 x 896 B) and, while one chunk's logits are made, the previous chunk's logits and gradient
+    # (4 B each) beside the next chunk's logits and log p (4 + 4): 151,936 x 12 x 4,096 B, in all 7.57 GiB; and the
+    # activations of 32,768 tokens: 4 (4 x 896 + 2 x 896 + 2 x 128 + 2 x 4,864 + 896 packed) + 4 x 14 + 8 = 65,088 B
+    # per token and layer, x 24 x 32,768 = 47.7 GiB, and 0.2 GiB around the head: 61.0 GiB
+    assert lines == ["relign sft: error: plan: the train stage needs 61.0 GiB per rank, more than the 23.0 GiB available on "
+                     "RTX 4090 24 GB; lower micro_batch_size to 3 or less (now 16), or set plan.check=false to start anyway"]
     assert not run.exists()  # it stopped before the run directory, the tokenizer and the weights (the folder has none)
     # plan.check=false starts anyway: past the plan, the run loads its tokenizer and reads its data (missing here)
     proc = run_cli(*args, "plan.device=rtx4090", "plan.check=false", f"model.tokenizer={tiny_model_dir}",
@@ -317,14 +371,15 @@ def test_relign_plan_prints_the_worked_example_of_the_docs(qwen05):
     block = docs.split("```text\n", 1)[1].split("```", 1)[0]
     ours = out.replace(str(qwen05), "Qwen/Qwen2.5-0.5B-Instruct")
     assert ours == block
-    # by hand: 494,032,768 weights x 4 B = 1.84 GiB; AdamW 3.68 GiB; the update's logits at 4 groups x 8 x 512 =
-    # 16,384 positions in 4 chunks of 4,096, the logged entropy's forward (the bf16 logits 2 K, their saved fp32
-    # upcasts 4 K, a chunk's entropy upcast, softmax and logsumexp temporary 4 c each) (6 x 16,384 + 12 x 4,096) x
-    # 151,936 B = 20.87 GiB; the KV cache of 128 rows x 1,024 columns x 24 layers x 2 x 2 heads x 64 x 2 B = 1.50 GiB
-    rows = {line[:20].strip(): line[20:].split() for line in out.splitlines()[5:20]}
-    assert rows["weights"] == ["1.84"] * 4 and rows["AdamW state"] == ["3.68"] * 4
-    assert rows["logits"] == ["-", "-", "20.87", "-"] and rows["engine KV cache"] == ["1.50", "-", "-", "-"]
-    assert out.count("peak: 47.7 GiB in update") == 1
+    # by hand: 494,032,768 weights x 4 B = 1.84 GiB; AdamW 3.68 GiB; the update's fused LM head (Qwen2, one rank,
+    # packed) over 4 groups x 8 x 512 = 16,384 positions, at its forward's peak: the bf16 cast of the head's weight
+    # (2 x 151,936 x 896 B) and, for one chunk of 4,096, its bf16 logits, their fp32 z, and the logged entropy's log p,
+    # p and p log p (2 + 4 + 12 B each): 272,269,312 + 18 x 4,096 x 151,936 B = 10.69 GiB; the KV cache of 128 rows x
+    # 1,024 columns x 24 layers x 2 x 2 heads x 64 x 2 B = 1.50 GiB
+    rows = {line[:20].strip(): line[20:].split() for line in out.splitlines()[6:21]}
+    assert rows["weights"] == ["1.84"] * 4 and rows["AdamW state"] == ["3.68"] * 4 and "logits" not in rows
+    assert rows["LM head (fused)"] == ["-", "-", "10.69", "-"] and rows["engine KV cache"] == ["1.50", "-", "-", "-"]
+    assert out.count("peak: 37.2 GiB in update") == 1
     proc = run_cli(*args[:-1], "rtx4090", "prompts_per_step=64", "max_tokens_per_micro=65536", check=False)
     assert proc.returncode == 1 and "does not fit: lower micro_batch_size to " in proc.stdout
 

@@ -77,6 +77,13 @@ class Model:
         else:
             self.largest = max(shape.embedding, shape.d * shape.intermediate // tp) // dp
         self.packed_attention = shape.model_type in SUPPORTED and m.attn_implementation == "sdpa"
+        targets = [m.lora.target_modules] if isinstance(m.lora.target_modules, str) else list(m.lora.target_modules)
+        self.lora_head = bool(self.lora) and "lm_head" in targets
+        """LoRA adapts the LM head (peft's lora.Linear in its place)."""
+        self.head_why = head_stage_a(shape.model_type, lora_head=self.lora_head, ranks=tp * dp)
+        """Why this model's LM head keeps its logits (stage a), "" where the fused head applies (stage b)."""
+        # peft's projections send the lean SwiGLU to the module's own forward where it adapts the MLP's
+        self.mlp_adapted = bool(self.lora) and ("all-linear" in targets or bool({"gate_proj", "up_proj", "down_proj"} & set(targets)))
 
     def states(self, *, grads: bool) -> dict[str, int]:
         """Weights, AdamW's state and (``grads``) the gradients, this rank's share."""
@@ -85,35 +92,61 @@ class Model:
             out["gradients"] = P.grad_bytes(self.trainable, self.grad_p)
         return out
 
+    def fused(self, layout_why: str = "") -> bool:
+        """Whether a pass runs the fused LM head (stage b): the model allows it and so does the
+        layout (``layout_why``: why it does not, "" when it does)."""
+        return not (self.head_why or layout_why)
+
+    def head_terms(self, positions: int, *, fused: bool, weighted: bool = False, entropy: bool = False,
+                   entropy_grad: bool = False, temperature: float = 1.0) -> dict[str, int]:
+        """The loss's LM head in a training pass: the logits (stage a) or the fused head's chunks (stage b)."""
+        if fused:
+            return {"LM head (fused)": P.fused_head_bytes(self.s, positions, self.prec, weighted=weighted,
+                                                          head_grad=not self.lora, entropy=entropy,
+                                                          entropy_grad=entropy_grad, temperature=temperature)}
+        return {"logits": P.logits_bytes(positions, self.s.vocab, prec=self.prec, entropy=entropy,
+                                         entropy_grad=entropy_grad, temperature=temperature, adapted=self.lora_head)}
+
     def train_pass(self, tokens: int, positions: int, *, packed: bool, rope: int, accum: bool,
-                   head: bool = True, entropy: bool = False) -> dict[str, int]:
+                   head: bool = True, fused: bool = False, weighted: bool = False, entropy: bool = False,
+                   entropy_grad: bool = False, temperature: float = 1.0) -> dict[str, int]:
         """The forward/backward of one micro-batch at the heavier of its two peaks, states included:
         the start of the loss's backward (saved activations, the bf16 weight copies, the loss's
-        logits; the gradients only when an earlier micro-batch of the step left them: ``accum``), or
-        the end of the backward (every gradient, and the embedding's being summed). FSDP's
-        gathered layers at both."""
+        logits or, ``fused``, the fused head's chunks; the gradients only when an earlier
+        micro-batch of the step left them: ``accum``), or the end of the backward (every gradient,
+        and the embedding's being summed). FSDP's gathered layers at both. ``weighted``: the fused
+        head takes its gradients in the forward (SFT); ``entropy``: the entropy is computed beside
+        the log-probs (RL's update logs it), ``entropy_grad``: and differentiated (an entropy bonus)."""
         s, prec = self.s, self.prec
-        lean = self.lean and not self.lora  # peft's projections send the lean SwiGLU to the module's own forward
+        lean = self.lean and not self.mlp_adapted
+        fused = fused and head
         fsdp = {"FSDP gathered": P.fsdp_gather_bytes(s, prec, self.dp)}
+        logits = self.head_terms(positions, fused=fused, weighted=weighted, entropy=entropy, entropy_grad=entropy_grad,
+                                 temperature=temperature) if head else {}
         loss = {**self.states(grads=accum),
                 "activations": P.activation_bytes(s, tokens, positions if head else 0, prec, lean=lean,
-                                                  checkpointing=self.ckpt, packed=packed, rope_positions=rope, tp=self.tp),
-                "bf16 weight copies": P.weight_copy_bytes(s, prec, lean=lean, layers=1 if self.ckpt else None, tp=self.tp),
-                "logits": P.logits_bytes(positions, s.vocab, prec=prec, entropy=entropy) if head else 0, **fsdp}
+                                                  checkpointing=self.ckpt, packed=packed, rope_positions=rope, tp=self.tp,
+                                                  fused=fused),
+                "bf16 weight copies": P.weight_copy_bytes(s, prec, lean=lean, layers=1 if self.ckpt else None, tp=self.tp,
+                                                          head=head and not fused),
+                **logits, **fsdp}
         end = {**self.states(grads=True), **fsdp,
-               "embedding gradients": 0 if self.lora else P.embedding_grad_bytes(s, self.grad_p, accumulating=accum,
-                                                                                  head=head) // self.dp}
+               "embedding gradients": 0 if self.lora else P.embedding_grad_bytes(
+                   s, self.grad_p, accumulating=accum, head=head, in_place=fused or prec.mixed or prec.cast,
+                   upcast=fused and prec.cast) // self.dp}
         return loss if sum(loss.values()) >= sum(end.values()) else end
 
     def optimizer_step(self) -> dict[str, int]:
         """The optimizer step: the states and the gradient norm's float64 copy of the largest gradient."""
         return {**self.states(grads=True), "optimizer step": P.grad_norm_bytes(self.largest)}
 
-    def nograd_pass(self, tokens: int, positions: int) -> int:
-        """A forward without gradients: its transients, FSDP's gathered layers, and under bf16-compute the
-        cast copy of every weight, made at the forward's start (``precision.enable_compute_weights``)."""
+    def nograd_pass(self, tokens: int, positions: int, *, fused: bool = False, temperature: float = 1.0) -> int:
+        """A forward without gradients: its transients (the LM head fused or not), FSDP's gathered layers,
+        and under bf16-compute the cast copy of every weight, made at the forward's start
+        (``precision.enable_compute_weights``)."""
         copies = P.weight_copy_bytes(self.s, self.prec, lean=self.lean, tp=self.tp) if self.prec.cast else 0
-        return P.nograd_forward_bytes(self.s, tokens, positions, self.prec) + copies + \
+        return P.nograd_forward_bytes(self.s, tokens, positions, self.prec, fused=fused, copies=copies,
+                                      temperature=temperature, adapted=self.lora_head) + \
             P.fsdp_gather_bytes(self.s, self.prec, self.dp, trainable=False)
 
     def flops(self, tokens: int, positions: int, pairs: float) -> float:
@@ -121,6 +154,31 @@ class Model:
         logits at the kept positions, attention pairs."""
         f = ModelFlops(self.s.config())
         return tokens * f.token + positions * f.head + pairs * f.pair
+
+
+FUSED_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+"""The model types whose causal LM ``fused_ce.head_of`` takes (its ``PLAIN_CAUSAL_LMS``; tests/test_plan.py keeps the two in step)."""
+
+
+def head_stage_a(model_type: str, *, lora_head: bool, ranks: int) -> str:
+    """Why a model's LM head runs as the model's own (stage a: its logits kept, ``fused_ce.LogSoftmaxGather``)
+    rather than fused (stage b, ``fused_ce.head_of``), from the config alone; "" where stage b applies. Stage a:
+    another architecture (one that scales or caps its logits), a LoRA adapter on ``lm_head``, and more than one
+    rank (FSDP2's DTensors, whose hooks the fused head would skip; context parallel's ``cp_token_logps`` too)."""
+    if model_type not in FUSED_TYPES:
+        return f"{model_type or 'this architecture'} is not a plain causal LM"
+    if lora_head:
+        return "LoRA adapts lm_head"
+    if ranks > 1:
+        return "FSDP2 over the ranks"
+    return ""
+
+
+def _head_fact(why: str) -> str:
+    """The facts' line on the LM head of the loss's passes."""
+    if not why:
+        return f"LM head: fused (stage b), {P.CHUNK_TOKENS:,} positions at a time: no [tokens x vocabulary] logits"
+    return f"LM head: the model's own (stage a: {why}), its logits kept for the backward"
 
 
 def _ranks(cfg: Any, world: int) -> tuple[int, int, int]:
@@ -209,19 +267,23 @@ def plan_sft(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1, *, reci
     rope = tokens if recipe == "sft" and cfg.packing else Lmax
     per_step = cfg.batch_size * (2 if recipe == "rm" else 1) // dp
     step_flops = 3 * model.flops(per_step * Lmax, per_step * (Lmax - 1) if lm else 0, per_step * _causal(Lmax))
-    train = P.Stage("train", model.train_pass(tokens, positions, packed=packed, rope=rope, accum=accum, head=lm),
+    # the loss is a fixed weighted sum of log-probs: the fused head takes its gradients in the forward (sft._loss)
+    fused = lm and model.fused()
+    train = P.Stage("train", model.train_pass(tokens, positions, packed=packed, rope=rope, accum=accum, head=lm,
+                                              fused=fused, weighted=True),
                     key="max_tokens_per_micro" if max_tokens else "micro_batch_size", seconds=_seconds(step_flops, device))
     stages = [train, P.Stage("optimizer", model.optimizer_step(), key="optim")]
     if _eval_rows(cfg):
         ev = cfg.eval_batch_size * (2 if recipe == "rm" else 1)
         stages.append(P.Stage("eval", {**model.states(grads=False),
-                                       "forward (no grad)": model.nograd_pass(ev * Lmax, ev * (Lmax - 1) if lm else 0)},
+                                       "forward (no grad)": model.nograd_pass(ev * Lmax, ev * (Lmax - 1) if lm else 0,
+                                                                              fused=fused)},
                               key="eval_batch_size"))
     budget_text = f"; budget {max_tokens:,}{' by device' if cfg.max_tokens_per_micro is None else ''}" if max_tokens else ""
     facts = _facts(cfg, model, world) + [
         f"largest micro-batch: {rows} rows x {Lmax} tokens = {tokens:,} tokens "
         f"({'packed' if recipe == 'sft' and cfg.packing else 'padded'}{budget_text}), logits at {positions:,} positions"
-        + (f"; {passes} micro-batches per step" if accum else "")]
+        + (f"; {passes} micro-batches per step" if accum else "")] + ([_head_fact(model.head_why)] if lm else [])
     return P.Plan(recipe, device, stages, facts)
 
 
@@ -250,7 +312,11 @@ def plan_dpo(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pl
     pairs = cfg.micro_batch_size
     tokens = pairs * per_pair // cp
     positions = pairs * (per_pair - (1 if kto else 2)) // cp
-    packed = (cfg.packing or (cfg.share_prompt and not kto)) and model.packed_attention
+    share = cfg.share_prompt and not kto
+    packed = (cfg.packing or share) and model.packed_attention
+    # a shared prompt without varlen runs against its KV cache, on the model's own logits (pairs.sequence_logps)
+    layout_why = "the shared-prefix layout" if share and not packed else ""
+    fused = model.fused(layout_why)
     accum = cfg.batch_size // dp // pairs > 1
     ref = cfg.loss not in REFERENCE_FREE
     online = {}
@@ -265,21 +331,22 @@ def plan_dpo(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pl
         ev = cfg.eval_batch_size
         # before the first step: the policy scores the pairs, AdamW has no state yet
         stages.append(P.Stage("reference", {"weights": P.weight_bytes(model.weights, 1), **precompute,
-                                            "forward (no grad)": model.nograd_pass(ev * per_pair, ev * per_pair)},
+                                            "forward (no grad)": model.nograd_pass(ev * per_pair, ev * per_pair, fused=fused)},
                               key="eval_batch_size"))
     stages.append(P.Stage("train", {**model.train_pass(tokens, positions, packed=packed, rope=tokens if packed else Lmax,
-                                                       accum=accum), **online},
+                                                       accum=accum, fused=fused), **online},
                           key="micro_batch_size", seconds=_seconds(step_flops, device)))
     stages.append(P.Stage("optimizer", {**model.optimizer_step(), **online}, key="optim"))
     if _eval_rows(cfg):
         ev = cfg.eval_batch_size
         stages.append(P.Stage("eval", {**model.states(grads=False), **online,
-                                       "forward (no grad)": model.nograd_pass(ev * per_pair, ev * per_pair)},
+                                       "forward (no grad)": model.nograd_pass(ev * per_pair, ev * per_pair, fused=fused)},
                               key="eval_batch_size"))
     facts = _facts(cfg, model, world) + [
         f"largest micro-batch: {pairs} {'examples' if kto else 'pairs'} of up to {per_pair:,} tokens = {tokens:,} tokens "
         f"({'packed' if packed else 'padded'}), logits at {positions:,} positions"
-        + (f"; {cfg.batch_size // dp // pairs} micro-batches per step" if accum else "")]
+        + (f"; {cfg.batch_size // dp // pairs} micro-batches per step" if accum else ""),
+        _head_fact(model.head_why or layout_why)]
     return P.Plan("dpo", device, stages, facts)
 
 
@@ -317,6 +384,9 @@ def plan_rl(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pla
     pack = cfg.packing or (share and model.packed_attention)
     continued = share and model.packed_attention
     G = n if (share and (continued or not pack)) else 1
+    # the shared-prefix layout hands the logits of each prompt's last position across micro-batches (stage a)
+    layout_why = "the shared-prefix layout" if share and not pack else ""
+    fused = model.fused(layout_why)
     if G == 1:
         size = Pl + R
     elif pack:
@@ -364,7 +434,7 @@ def plan_rl(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pla
         steps = R * math.ceil(prompts_rank * n / rows)
         rollout_s = steps * (decode_bytes + rows * (Pl + R / 2) * P.kv_bytes_per_token(s, prec.compute)) / (device.tbs * 1e12)
     stages = [P.Stage("rollout", {**keep, **engine}, key="rollout.max_batch_rows", seconds=rollout_s)]
-    nograd = model.nograd_pass(whole.tokens, whole.seqs * R)
+    nograd = model.nograd_pass(whole.tokens, whole.seqs * R, fused=fused, temperature=ro.temperature)
     pass_flops = model.flops(whole.tokens * whole.passes, whole.seqs * whole.passes * R, 0)
     if kl:
         stages.append(P.Stage("reference", {**keep, **asleep, "forward (no grad)": nograd}, key="max_tokens_per_micro",
@@ -382,7 +452,9 @@ def plan_rl(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pla
     upd_flops = 3 * updates * model.flops(mini.tokens * mini.passes, positions * mini.passes, 0)
     stages.append(P.Stage("update", {**model.train_pass(mini.tokens // cp, positions, packed=pack,
                                                         rope=mini.tokens // cp if pack else size,
-                                                        accum=accum, entropy=True), **ref, **critic, **asleep},
+                                                        accum=accum, fused=fused, entropy=True,
+                                                        entropy_grad=a.entropy_coef > 0, temperature=ro.temperature),
+                                     **ref, **critic, **asleep},
                           key="max_tokens_per_micro" if not cfg.micro_batch_size else "micro_batch_size",
                           seconds=_seconds(upd_flops, device)))
     if estimator_values:
@@ -394,6 +466,10 @@ def plan_rl(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pla
                                                 **{f"critic {k}": v for k, v in crit.items() if v}},
                               key="max_tokens_per_micro", seconds=_seconds(3 * updates * model.flops(
                                   mini.tokens * mini.passes, 0, 0), device)))
+        # the critic's own clip_gradients, after its backward: a float64 copy of its largest gradient (the embedding's)
+        stages.append(P.Stage("critic optimizer", {**keep, **asleep, "critic gradients": P.grad_bytes(c_params, prec.param),
+                                                   "optimizer step": P.grad_norm_bytes(s.embedding // model.dp)},
+                              key="optim"))
     stages.append(P.Stage("optimizer", {**model.optimizer_step(), **ref, **critic, **asleep}, key="optim"))
     layout = "packed" if pack else ("shared prompt, padded" if G > 1 else "padded")
     facts = _facts(cfg, model, world) + [
@@ -401,7 +477,8 @@ def plan_rl(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pla
         f"({ro.engine}), prompts up to {Pl} tokens, responses up to {R}",
         f"largest update micro-batch: {mini.tokens:,} tokens ({mini.seqs} sequences, {layout}; budget "
         f"{f'{max_tokens:,}' if max_tokens else 'none'}{' by device' if cfg.max_tokens_per_micro is None else ''}), logits at "
-        f"{positions:,} positions; {mini.passes} pass{'es' if mini.passes > 1 else ''} per update, {updates} update{'s' if updates > 1 else ''} per step"]
+        f"{positions:,} positions; {mini.passes} pass{'es' if mini.passes > 1 else ''} per update, {updates} update{'s' if updates > 1 else ''} per step",
+        _head_fact(model.head_why or layout_why)]
     return P.Plan("rl", device, stages, facts)
 
 
