@@ -309,15 +309,24 @@ def plan_dpo(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pl
     model = Model(cfg.model, shape, tp=tp, dp=dp * cp, device=_type(device))
     Lmax, kto = cfg.data.max_length, cfg.loss == "kto"
     per_pair = Lmax if kto else 2 * Lmax  # the worst case: prompt of 1 token, both responses of Lmax - 1
-    pairs = cfg.micro_batch_size
-    tokens = pairs * per_pair // cp
-    positions = pairs * (per_pair - (1 if kto else 2)) // cp
     share = cfg.share_prompt and not kto
     packed = (cfg.packing or share) and model.packed_attention
+    # packed pairs are cut into balanced passes of at most max_tokens_per_micro tokens when there is a budget (null: by
+    # device, none on a CPU; pairs.micro_batches); else micro_batch_size pairs a pass
+    max_tokens = token_budget(getattr(cfg, "max_tokens_per_micro", 0), model, device, cpu=0, held=model.weights) \
+        if cfg.packing or packed else 0
+    rank_pairs = max(1, cfg.batch_size // dp)
+    if max_tokens:
+        parts = micro_batch_plan([per_pair] * rank_pairs, max_tokens=max_tokens)[0]
+        pairs, passes = max(len(part) for part in parts), len(parts)
+    else:
+        pairs, passes = cfg.micro_batch_size, rank_pairs // cfg.micro_batch_size
+    tokens = pairs * per_pair // cp
+    positions = pairs * (per_pair - (1 if kto else 2)) // cp
     # a shared prompt without varlen runs against its KV cache, on the model's own logits (pairs.sequence_logps)
     layout_why = "the shared-prefix layout" if share and not packed else ""
     fused = model.fused(layout_why)
-    accum = cfg.batch_size // dp // pairs > 1
+    accum = passes > 1
     ref = cfg.loss not in REFERENCE_FREE
     online = {}
     if ref and cfg.reference == "online" and not cfg.model.lora.enabled:
@@ -335,17 +344,18 @@ def plan_dpo(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pl
                               key="eval_batch_size"))
     stages.append(P.Stage("train", {**model.train_pass(tokens, positions, packed=packed, rope=tokens if packed else Lmax,
                                                        accum=accum, fused=fused), **online},
-                          key="micro_batch_size", seconds=_seconds(step_flops, device)))
+                          key="max_tokens_per_micro" if max_tokens else "micro_batch_size", seconds=_seconds(step_flops, device)))
     stages.append(P.Stage("optimizer", {**model.optimizer_step(), **online}, key="optim"))
     if _eval_rows(cfg):
         ev = cfg.eval_batch_size
         stages.append(P.Stage("eval", {**model.states(grads=False), **online,
                                        "forward (no grad)": model.nograd_pass(ev * per_pair, ev * per_pair, fused=fused)},
                               key="eval_batch_size"))
+    budget_text = f"; budget {max_tokens:,}{' by device' if cfg.max_tokens_per_micro is None else ''}" if max_tokens else ""
     facts = _facts(cfg, model, world) + [
         f"largest micro-batch: {pairs} {'examples' if kto else 'pairs'} of up to {per_pair:,} tokens = {tokens:,} tokens "
-        f"({'packed' if packed else 'padded'}), logits at {positions:,} positions"
-        + (f"; {cfg.batch_size // dp // pairs} micro-batches per step" if accum else ""),
+        f"({'packed' if packed else 'padded'}{budget_text}), logits at {positions:,} positions"
+        + (f"; {passes} micro-batches per step" if accum else ""),
         _head_fact(model.head_why or layout_why)]
     return P.Plan("dpo", device, stages, facts)
 
@@ -550,6 +560,8 @@ SEARCH: dict[str, list[Search]] = {
             Search("max_tokens_per_micro", ("train",), _sft_tokens, "the rank's whole batch in one pass"),
             Search("eval_batch_size", ("eval",), lambda c, w: 4096)],
     "dpo": [Search("micro_batch_size", ("train",), _per_rank, "the rank's whole batch"),
+            Search("max_tokens_per_micro", ("train",), lambda c, w: _per_rank(c, w) * 2 * c.data.max_length,
+                   "the rank's whole batch in one pass"),
             Search("eval_batch_size", ("reference", "eval"), lambda c, w: 4096)],
     "rl": [Search("max_tokens_per_micro", _PASSES, _rl_tokens, "a rank's whole mini-batch in one pass"),
            Search("micro_batch_size", _PASSES, _rl_rows, "a rank's whole mini-batch in one pass"),
@@ -562,11 +574,11 @@ SEARCH["rm"] = [sr for sr in SEARCH["sft"] if sr.key != "max_tokens_per_micro"]
 def _searched(cfg: Any, recipe: str, key: str, plan: P.Plan) -> bool:
     """Whether the plan's stages depend on ``key``: SFT's token budget only for packed rows, and then
     micro_batch_size not when a budget cuts the passes."""
-    if recipe != "sft":
+    if recipe not in ("sft", "dpo"):
         return True
     budgeted = any(st.key == "max_tokens_per_micro" for st in plan.stages)
     if key == "max_tokens_per_micro":
-        return cfg.packing
+        return cfg.packing or (recipe == "dpo" and budgeted)
     return not (key == "micro_batch_size" and budgeted)
 
 

@@ -9,7 +9,8 @@ import torch
 
 from .. import distributed
 from ..config import PreferenceDataConfig
-from ..data.collate import keep_index, pack_rows
+from ..data.balance import micro_batch_plan
+from ..data.collate import chunks, keep_index, pack_rows
 from ..data.pointwise import build_point_examples
 from ..data.preference import PairExample, UnpairedExample, build_pair_examples, build_unpaired_examples
 from ..data.stats import announce
@@ -99,6 +100,31 @@ def by_positions(examples: Sequence, idx: Sequence[int], *, share_prompt: bool) 
         return len(e.input_ids)
 
     return sorted(idx, key=lambda i: (cost(i), i))
+
+
+def packed_tokens(e, *, share_prompt: bool) -> int:
+    """The tokens an example puts in a packed row: a pair's two rows, or with ``share_prompt`` its
+    prompt once and the rejected response continuing it from the prompt's last token
+    (``varlen.segments``); an unpaired row, its own length."""
+    if isinstance(e, PairExample):
+        both = len(e.chosen_ids) + len(e.rejected_ids)
+        return both - (e.prompt_len - 1 if share_prompt else 0)
+    return len(e.input_ids)
+
+
+def micro_batches(examples: Sequence, idx: Sequence[int], *, share_prompt: bool, micro_batch_size: int,
+                  max_tokens: int = 0) -> list[list[int]]:
+    """This rank's examples ``idx`` cut into the micro-batches of a step, in ``by_positions``'
+    order: ``micro_batch_size`` at a time, or (``max_tokens`` > 0, packed rows) passes of at most
+    ``max_tokens`` packed tokens with near-equal sums (``data.balance.micro_batch_plan``; an
+    example longer than the budget runs alone). The step's normalizer is the batch size, so how
+    the pairs are cut changes only float rounding."""
+    order = by_positions(examples, idx, share_prompt=share_prompt)
+    if max_tokens <= 0:
+        return list(chunks(order, micro_batch_size))
+    plan = micro_batch_plan([packed_tokens(examples[i], share_prompt=share_prompt) for i in order],
+                            max_tokens=max_tokens)[0]
+    return [[order[j] for j in part] for part in plan]
 
 
 def _pad(rows: Sequence[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -42,10 +42,13 @@ from ..config import BatchFields, ConfigError, OptimConfig, PreferenceDataConfig
 from ..data.collate import chunks, shard
 from ..data.preference import TRUNCATION, UnpairedExample
 from ..models import varlen
+from ..models.budget import device_tokens
 from ..models.flops import ModelFlops, model_flops
 from ..models.loading import load_causal_lm, load_model_tokenizer
 from . import RunResult, build, frame
-from .pairs import add_sums, average_sums, by_positions, collate_pairs, collate_unpaired, load_examples, sequence_logps
+from .pairs import (
+    add_sums, average_sums, by_positions, collate_pairs, collate_unpaired, load_examples, micro_batches, sequence_logps
+)
 
 REF_FILE = "reference_logps.safetensors"
 
@@ -112,6 +115,11 @@ class Config(BatchFields):
     """Run each micro-batch as one padding-free row, attention sequence by sequence; with share_prompt a pair's
     rejected response continues its prompt in the row (prompt once; needs relign's varlen attention, else the
     prompt runs twice). Same log-probs."""
+    max_tokens_per_micro: int | None = None
+    """Token budget of one packed forward/backward pass on one rank (where the pairs run packed: packing=true, or a
+    shared prompt on relign's varlen attention): this rank's pairs are cut into balanced passes of at most this many
+    tokens and micro_batch_size no longer counts; 0 = off (micro_batch_size pairs per pass); null = by device: off on
+    the CPU, on CUDA 32768 or what free memory holds if less."""
 
 
 def _check(cfg: Config) -> None:
@@ -119,6 +127,8 @@ def _check(cfg: Config) -> None:
     check_positive(cfg, "batch_size", "micro_batch_size", "eval_batch_size", "epochs", "beta", "kto_desirable_weight",
                    "kto_undesirable_weight")
     check_non_negative(cfg, "max_steps", "eval_every", "dpop_lambda", "simpo_gamma", "orpo_lambda")
+    if cfg.max_tokens_per_micro is not None:
+        check_non_negative(cfg, "max_tokens_per_micro")
     check_divides(cfg, "batch_size", "micro_batch_size", distributed.data_size())
     check_common(cfg)
     check_choice("loss", cfg.loss, LOSSES)
@@ -485,6 +495,9 @@ def train(cfg: Config) -> RunResult:
                                         pack=pack, share=share, pad_id=tok.pad_token_id)
     t = frame.trainable(run, policy, ckpt=ckpt, rows=len(train_set), batch_size=cfg.batch_size, total_steps=total_steps)
     save = frame.saver(run, t, tok, state={"loss": cfg.loss})
+    # packed passes of a token budget sized for the device (off on the CPU: micro_batch_size pairs per pass)
+    max_tokens = device_tokens(cfg.max_tokens_per_micro, t.model, run.device, cpu=0,
+                               checkpointing=m.gradient_checkpointing) if pack else 0
     losses = (KtoLosses if kto else PairLosses)(cfg, t.model, sets, reference, pad_id=tok.pad_token_id, device=run.device,
                                                 packed=pack, share=share)
     bar = ("train/loss", "train/kl", "train/rewards/desirable", "train/rewards/undesirable") if kto else \
@@ -499,14 +512,17 @@ def train(cfg: Config) -> RunResult:
         z0 = losses.prepare("train", mine)  # KTO's reference point; None for pairs
         sums: dict[str, torch.Tensor] = {}
         tokens = 0.0
-        # similar lengths in a micro-batch pad less; the order within a step changes only rounding
-        for part in chunks(by_positions(train_set, mine, share_prompt=share), cfg.micro_batch_size):
+        # similar lengths in a micro-batch pad less; the order within a step changes only rounding. Under a token
+        # budget ranks may cut different counts: a rank with fewer runs passes that count zero (FSDP's collectives)
+        parts = micro_batches(train_set, mine, share_prompt=share, micro_batch_size=cfg.micro_batch_size, max_tokens=max_tokens)
+        for part, real in distributed.lockstep(parts, filler=mine[:1]) if max_tokens else [(p, True) for p in parts]:
             per_pair, met, ntok = losses.of("train", part, z0)
             # one normalizer for the whole step on every rank: the summed gradient is that of
             # the mean loss over the global batch (x world: FSDP averages gradients over ranks)
-            (per_pair.sum() / cfg.batch_size * distributed.grad_scale()).backward()
-            tokens += ntok
-            add_sums(sums, {"loss_sum": per_pair, **met})
+            (per_pair.sum() * float(real) / cfg.batch_size * distributed.grad_scale()).backward()
+            if real:
+                tokens += ntok
+                add_sums(sums, {"loss_sum": per_pair, **met})
         step_metrics = frame.optimizer_step(t, cfg.optim.max_grad_norm)
         seconds = time.perf_counter() - t0
         work = torch.tensor([tokens, step_flops(shape, sets, mine, kto=kto, share=share)], dtype=torch.float64,

@@ -67,17 +67,20 @@ def test_two_ranks_match_one_and_resume_across_world_sizes(tiny_model_dir, data,
         _assert_close(la, lb)
 
 
-@pytest.mark.parametrize("loss", ["dpo", "kto"])
-def test_preference_two_ranks_match_one(tiny_model_dir, tmp_path, loss):
+@pytest.mark.parametrize("loss, budget", [("dpo", ("max_tokens_per_micro=720",)), ("kto", ())])
+def test_preference_two_ranks_match_one(tiny_model_dir, tmp_path, loss, budget):
     """relign dpo under torchrun: the reference log-probs are computed in shards and summed,
-    KTO's reference point is reduced over ranks, and the losses equal the 1-rank run."""
+    KTO's reference point is reduced over ranks, and the losses equal the 1-rank run. DPO's two
+    ranks cut their packed pairs by a token budget (pairs.micro_batches), the one rank by
+    micro_batch_size: at step 1 rank 0's two pairs (706 packed tokens) fit 720 in one pass and rank
+    1's (735) do not, so rank 0 runs a zero-weight second pass beside rank 1's (distributed.lockstep)."""
     common = ["dpo", str(REPO / "examples" / "dpo.yaml"), f"model.path={tiny_model_dir}", f"loss={loss}",
               "data.max_rows=16", "data.max_length=256", "data.eval_fraction=0", "batch_size=4", "micro_batch_size=2",
               "max_steps=2", "optim.lr=1e-3", "optim.warmup_ratio=0", "eval_every=0", "checkpoint.save_every=0",
               "logging.tensorboard=false", "logging.progress=false"]
     single, multi = tmp_path / "single", tmp_path / "multi"
-    run_cli(*common, f"run_dir={single}")
-    proc = _torchrun([*common, f"run_dir={multi}"])
+    run_cli(*common, "packing=true", f"run_dir={single}")
+    proc = _torchrun([*common, "packing=true", *budget, f"run_dir={multi}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = _losses(single), _losses(multi)
     assert [s for s, _ in a] == [s for s, _ in b] == [1, 2]

@@ -112,6 +112,8 @@ def test_loss_is_invariant_to_micro_batching_and_prompt_sharing(tiny_model_dir, 
         # one padding-free row per micro-batch, attention row by row (relign.models.varlen)
         "packed": ("micro_batch_size=4", "packing=true"),
         "packed_online": ("micro_batch_size=8", "packing=true", "reference=online"),
+        # passes of at most 300 packed tokens (pairs.micro_batches), micro_batch_size no longer counting
+        "budget": ("micro_batch_size=16", "packing=true", "max_tokens_per_micro=300"),
     }
     losses, weights = {}, {}
     for name, extra in runs.items():
@@ -171,3 +173,31 @@ def test_micro_batches_are_cut_by_the_positions_each_example_computes():
     assert by_positions(pairs, [3, 2, 0], share_prompt=True) == [0, 2, 3]
     ex = [UnpairedExample([1] * n, [1] * n, 0, True) for n in (5, 3, 5, 1)]
     assert by_positions(ex, range(4), share_prompt=False) == [3, 1, 0, 2]
+
+
+def test_a_token_budget_cuts_the_pairs_into_passes_that_fit_it():
+    """pairs.micro_batches with max_tokens: every pair once, each pass's packed tokens (a pair's two
+    rows, or its prompt once and the rejected response from the prompt's last token) within the
+    budget unless a pair alone is longer; without a budget, micro_batch_size pairs a pass."""
+    from relign.data.preference import PairExample
+    from relign.recipes.pairs import micro_batches, packed_tokens
+
+    def pair(p, c, r):
+        return PairExample(chosen_ids=[1] * (p + c), chosen_mask=[0] * p + [1] * c, rejected_ids=[1] * (p + r),
+                           rejected_mask=[0] * p + [1] * r, prompt_len=p)
+
+    pairs = [pair(10, 5, 1), pair(2, 3, 4), pair(20, 1, 1), pair(1, 12, 2), pair(40, 30, 30)]
+    # shared: 15 + 11 - 9 = 17, 5 + 6 - 1 = 10, 21 + 21 - 19 = 23, 13 + 3 - 0 = 16, 70 + 70 - 39 = 101;
+    # full rows: 26, 11, 42, 16, 140
+    assert [packed_tokens(e, share_prompt=True) for e in pairs] == [17, 10, 23, 16, 101]
+    assert [packed_tokens(e, share_prompt=False) for e in pairs] == [26, 11, 42, 16, 140]
+    for share, budget in ((True, 40), (False, 60), (True, 30)):
+        parts = micro_batches(pairs, range(5), share_prompt=share, micro_batch_size=1, max_tokens=budget)
+        assert sorted(i for part in parts for i in part) == [0, 1, 2, 3, 4]
+        for part in parts:
+            used = sum(packed_tokens(pairs[i], share_prompt=share) for i in part)
+            assert used <= budget or part == [4], (share, budget, part)
+        # the 66 (shared) or 95 (full rows) tokens of the four short pairs need at least ceil(66 / 40) = 2 passes
+        shorts = sum(packed_tokens(pairs[i], share_prompt=share) for i in range(4))
+        assert len(parts) >= 1 + -(-shorts // budget)
+    assert micro_batches(pairs, range(5), share_prompt=True, micro_batch_size=2) == [[1, 0], [2, 3], [4]]
