@@ -98,6 +98,28 @@ def _chunks(n: int, size: int):
     return ((s, min(s + size, n)) for s in range(0, n, size))
 
 
+def _stats_by_chunk(logits_of, index, chunk_tokens: int, temperature: float, with_entropy: bool, out: tuple):
+    """Fill ``out`` = (log p [N], lse [N], entropy [N] or None) chunk by chunk from
+    ``logits_of(a, b)``, the logits of rows a..b (a slice, or the head's product of them)."""
+    logp, lse, ent = out
+    for a, b in _chunks(index.shape[0], chunk_tokens):
+        lp, ls, e = chunk_stats(logits_of(a, b), index[a:b], temperature, with_entropy)
+        logp[a:b], lse[a:b] = lp, ls
+        if e is not None:
+            ent[a:b] = e
+
+
+def _outputs(ctx, logp, ent, entropy_grad: bool):
+    """An autograd forward's (log p, entropy): the entropy None when not asked for, and
+    non-differentiable when not differentiated."""
+    ctx.set_materialize_grads(False)  # a None upstream gradient (entropy unused) skips its term
+    if ent is None:
+        return logp, None
+    if not entropy_grad:
+        ctx.mark_non_differentiable(ent)
+    return logp, ent
+
+
 # --------------------------------------------------------------------------- stage a: from the logits
 
 
@@ -113,19 +135,10 @@ class LogSoftmaxGather(torch.autograd.Function):
         lse = logits.new_empty(N, dtype=dt)
         ent = logits.new_empty(N, dtype=dt) if with_entropy else None
         with _no_autocast(logits.device):
-            for a, b in _chunks(N, chunk_tokens):
-                lp, ls, e = chunk_stats(logits[a:b], index[a:b], temperature, with_entropy)
-                logp[a:b], lse[a:b] = lp, ls
-                if e is not None:
-                    ent[a:b] = e
+            _stats_by_chunk(lambda a, b: logits[a:b], index, chunk_tokens, temperature, with_entropy, (logp, lse, ent))
         ctx.save_for_backward(logits, index, lse, ent if entropy_grad else None)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
-        ctx.set_materialize_grads(False)  # a None upstream gradient (entropy unused) skips its term
-        if ent is None:
-            return logp, None
-        if not entropy_grad:
-            ctx.mark_non_differentiable(ent)
-        return logp, ent
+        return _outputs(ctx, logp, ent, entropy_grad)
 
     @staticmethod
     @once_differentiable
@@ -182,19 +195,11 @@ class LinearLogSoftmaxGather(torch.autograd.Function):
         ent = h.new_empty(N, dtype=torch.float32) if with_entropy else None
         with _no_autocast(h.device):
             w = weight.to(dtype)
-            for a, b in _chunks(N, chunk_tokens):
-                lp, ls, e = chunk_stats(_logits(h[a:b], w), index[a:b], temperature, with_entropy)
-                logp[a:b], lse[a:b] = lp, ls
-                if e is not None:
-                    ent[a:b] = e
+            _stats_by_chunk(lambda a, b: _logits(h[a:b], w), index, chunk_tokens, temperature, with_entropy,
+                            (logp, lse, ent))
         ctx.save_for_backward(h, weight, index, lse, ent if entropy_grad else None)
         ctx.dtype, ctx.temperature, ctx.chunk_tokens = dtype, temperature, chunk_tokens
-        ctx.set_materialize_grads(False)
-        if ent is None:
-            return logp, None
-        if not entropy_grad:
-            ctx.mark_non_differentiable(ent)
-        return logp, ent
+        return _outputs(ctx, logp, ent, entropy_grad)
 
     @staticmethod
     @once_differentiable
