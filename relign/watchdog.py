@@ -1,6 +1,6 @@
 """No silent hangs: every blocking wait has a deadline.
 
-    watchdog.configure(seconds, run_dir)        once per run (0 seconds: no deadline, the default)
+    watchdog.configure(seconds, run_dir, key=K)  once per run (0 seconds: no deadline, the default); K names the setting
     with watchdog.waiting("the reward pool"):   around a wait that may never end
         ...
 
@@ -35,12 +35,13 @@ _lock = threading.Lock()
 _wake = threading.Condition(_lock)
 _waits: dict[int, tuple[str, float, float]] = {}  # id -> (what, deadline, seconds)
 _ids = itertools.count()
-_settings = {"seconds": 0.0, "dir": None, "key": "rollout.wait_timeout"}
+_settings = {"seconds": 0.0, "dir": None, "key": "the wait's deadline"}
 _monitor: threading.Thread | None = None
 
 
-def configure(seconds: float, run_dir: Path | None, *, key: str = "rollout.wait_timeout") -> None:
-    """Every later ``waiting`` gets ``seconds`` (0: no deadline); stacks go to ``run_dir``; ``key`` names the setting."""
+def configure(seconds: float, run_dir: Path | None, *, key: str) -> None:
+    """Every later ``waiting`` gets ``seconds`` (0: no deadline); stacks go to ``run_dir``; ``key`` names the
+    caller's setting of ``seconds`` (the line a timed-out rank prints tells the user what to raise)."""
     with _lock:
         _settings.update(seconds=float(seconds), dir=run_dir, key=key)
 

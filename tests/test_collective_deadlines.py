@@ -64,7 +64,7 @@ def _rank(rank: int, folder: str, case: str) -> None:
         mesh = init_device_mesh("cpu", (2,))
         p = torch.nn.Parameter(DTensor.from_local(torch.ones(3), mesh, [Shard(0)], run_check=False))
         p.grad = DTensor.from_local(torch.full((3,), 2.0), mesh, [Shard(0)], run_check=False)
-    watchdog.configure(2, Path(folder))
+    watchdog.configure(2, Path(folder), key="rollout.wait_timeout")
     if rank == 1:
         time.sleep(300)
     elif case == "enqueued":

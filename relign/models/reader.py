@@ -29,9 +29,9 @@ from typing import Any, Protocol
 
 import torch
 
-from ..algorithms.scoring import RULES, lc_reward, top_answer
+from ..algorithms.scoring import RULES, ece, lc_reward, top_answer
 from ..envs.reader_rules import NO_ANSWER, RuleReader, answers_match, normalize_answer
-from .reward import RewardModelScorer, scorer_kind
+from .reward import RewardModelScorer, Scorer, scorer_kind
 
 EXTRACT_TEMPLATE = ("Question: {question}\n\nParagraph: {paragraph}\n\nList every answer to the question that the "
                     "paragraph gives, separated by '; ', or write 'No Answer' if it gives none.")
@@ -128,7 +128,7 @@ def gold_of(extra_info: dict, row: int) -> list[str]:
     return [answer, *(a for a in aliases if isinstance(a, str))]
 
 
-class ReaderScorer:
+class ReaderScorer(Scorer):
     """The reader reward of a batch of responses, with its components (``score_detailed``)."""
 
     def __init__(self, reader: Reader, *, rule: str = "log", eps: float = 1e-4, lam: float = 5.0, offset: float = 5.0,
@@ -173,6 +173,16 @@ class ReaderScorer:
             d.update(lc_answers=float(len(ans)), lc_confidence=conf, lc_correct=correct, lc_no_answer=float(not answered))
             out.append(d)
         return out
+
+    def step_metrics(self, components: list[dict[str, float]]) -> dict[str, float]:
+        """The step's calibration over its responses (``score_detailed``'s components): ``calib/ece`` of
+        the stated confidences against correctness (a response without an answer already counts as
+        confidence 1 and wrong) and ``calib/no_answer_frac``; none when a response lacks the reader's parts."""
+        if not components or not all("lc_confidence" in c for c in components):
+            return {}
+        conf = [min(max(c["lc_confidence"], 0.0), 1.0) for c in components]
+        return {"calib/ece": ece(conf, [c["lc_correct"] for c in components]),
+                "calib/no_answer_frac": sum(c.get("lc_no_answer", 0.0) for c in components) / len(components)}
 
 
 __all__ = ["EXTRACT_TEMPLATE", "FORECAST_TEMPLATE", "Forecaster", "LMReader", "Reader", "ReaderScorer", "RuleReader",

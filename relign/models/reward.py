@@ -32,9 +32,23 @@ YES, NO = "Yes", "No"
 
 
 class Scorer(Protocol):
+    """A learned reward for RL (``reward.model``, ``reward.kind``); relign's own subclass it for the
+    defaults of its optional members."""
+
     def score(self, problems: list[str], responses: list[str]) -> list[float]:
         """One score per (problem, response), in order."""
         ...
+
+    def score_detailed(self, problems: list[str], responses: list[str], *, extra_infos: list[dict] | None = None,
+                       finished: list[bool] | None = None) -> list[dict[str, float]]:
+        """Per response: its score under ``reward`` and the named parts the RL collector logs beside it
+        (``reward/<part>``). The default: the score alone."""
+        return [{"reward": float(s)} for s in self.score(problems, responses)]
+
+    def step_metrics(self, components: list[dict[str, float]]) -> dict[str, float]:
+        """The scorer's own metrics of an RL step, from its responses' reward components (the reader's
+        calibration, ``ReaderScorer``). The default: none."""
+        return {}
 
 
 def _backbone(model: torch.nn.Module) -> torch.nn.Module:
@@ -106,7 +120,7 @@ def sequence_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return _head(model)(pooled).squeeze(-1).float()
 
 
-class RewardModelScorer:
+class RewardModelScorer(Scorer):
     """Scores with a Bradley-Terry reward model, rendering (problem, response) as in training."""
 
     def __init__(self, path: str, *, device="cpu", batch_size: int = 16, max_length: int = 2048, chat_template: bool = True,
@@ -131,7 +145,7 @@ def verifier_messages(problem: str, solution: str, template: str = VERIFIER_TEMP
     return [{"role": "user", "content": template.replace("{problem}", problem).replace("{solution}", solution)}]
 
 
-class VerifierScorer:
+class VerifierScorer(Scorer):
     """Scores with a generative verifier: P("Yes") for the first answer token."""
 
     def __init__(self, path: str, *, device="cpu", batch_size: int = 16, max_length: int = 2048,

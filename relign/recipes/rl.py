@@ -225,7 +225,7 @@ def _dry_run(cfg: Config, task, tok, run: frame.Run) -> None:
 
 def train(cfg: Config) -> RunResult:
     run = frame.open(cfg, "rl", check=_check)
-    watchdog.configure(cfg.rollout.wait_timeout, run.run_dir)  # no blocking wait without a deadline
+    watchdog.configure(cfg.rollout.wait_timeout, run.run_dir, key="rollout.wait_timeout")  # no blocking wait without a deadline
     if distributed.is_main():
         (run.run_dir / "rollouts").mkdir(exist_ok=True)
     r, save = _setup(cfg, run)
@@ -345,7 +345,7 @@ def _values(run: _Run, cfg: Config, step: int, groups, batch, micro) -> tuple[ob
     v, c = cfg.vine, run.collector
     episodes = [VineEpisode(e.prompt_ids, e.response_ids, g.prompt_text, g.extra_info) for g in groups for e in g.episodes]
     run.engine.wake()  # generation between the rollout and the update
-    if getattr(run.engine, "weights_stale", False):  # a vLLM engine that slept at level 2 dropped them
+    if run.engine.weights_stale:  # a vLLM engine that slept at level 2 dropped them
         run.engine.load_weights(engine_weights(run.engine, run.policy))
     values, stats = mc_step_values(
         run.engine, run.tok, episodes, params=c.sampling,

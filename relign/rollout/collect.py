@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from .. import distributed, watchdog
-from ..algorithms.scoring import ece
 from ..algorithms.shaping import zero_variance_groups
 from ..config import ConfigError
 from ..data.collate import StepSampler
@@ -171,12 +170,10 @@ class RolloutCollector:
         """Score every completion with the learned reward in batches and mix it with the rule
         reward; the rule's score (correctness) stays what is logged as accuracy."""
         problems, texts = [g.problem for g, _ in flat], [e.text for _, e in flat]
-        if hasattr(self.scorer, "score_detailed"):  # a reader (linguistic calibration): its reward's parts are logged too
-            details = self.scorer.score_detailed(problems, texts, extra_infos=[g.extra_info for g, _ in flat],
-                                                 finished=[e.finish_reason != "length" for _, e in flat])
-            model_scores = [d.pop("reward") for d in details]
-        else:
-            model_scores, details = self.scorer.score(problems, texts), [{}] * len(flat)
+        # the score and its named parts (a reader's: linguistic calibration), logged as reward/<part>
+        details = self.scorer.score_detailed(problems, texts, extra_infos=[g.extra_info for g, _ in flat],
+                                             finished=[e.finish_reason != "length" for _, e in flat])
+        model_scores = [d.pop("reward") for d in details]
         for (_, e), s, parts in zip(flat, model_scores, details):
             rule = e.reward
             e.reward = self.rule_weight * rule + self.scorer_weight * float(s)
@@ -250,11 +247,8 @@ class RolloutCollector:
         out: dict[str, float] = {}
         for k in sorted({k for e in eps for k in e.components}):
             out[f"reward/{k}"] = float(np.mean([e.components.get(k, 0.0) for e in eps]))
-        if eps and all("lc_confidence" in e.components for e in eps):  # a reader reward: the step's calibration
-            # the reader already scores a response without an answer as confidence 1 and wrong (top_answer)
-            conf = [min(max(e.components["lc_confidence"], 0.0), 1.0) for e in eps]
-            out["calib/ece"] = ece(conf, [e.components["lc_correct"] for e in eps])
-            out["calib/no_answer_frac"] = float(np.mean([e.components.get("lc_no_answer", 0.0) for e in eps]))
+        if self.scorer is not None:  # a learned reward's own metrics (the reader's calibration)
+            out.update(self.scorer.step_metrics([e.components for e in eps]))
         out["reward/errors"] = float(sum(e.reward_error == "exception" for e in eps))
         out["reward/timeouts"] = float(sum(e.reward_error == "timeout" for e in eps))
         if self.env is not None:

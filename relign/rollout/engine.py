@@ -104,6 +104,10 @@ class Engine(Protocol):
     under the trainer's names) or 'checkpoint' (every parameter under its checkpoint name,
     LoRA merged)."""
 
+    weights_stale: bool = False
+    """The engine dropped its weights while asleep (vLLM at sleep level 2), so they must be loaded
+    again before it generates. The default (an engine class that subclasses ``Engine``): never."""
+
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, *, seeds: list[int] | None = None
     ) -> list[list[Completion]]:
@@ -156,8 +160,15 @@ class Engine(Protocol):
         (an engine class that subclasses ``Engine``): none."""
         return {}
 
-    # Optional: ``score_tokens(sequences) -> list[list[float]]``, log p(x_t | x_<t) of every token
-    # after the first of each sequence, at temperature 1, with the engine's own weights and kernels.
-    # The RL recipe's sync check (rollout/sync_check.py) compares it with the trainer after every
-    # weight sync; an engine without it is not probed. Not part of the protocol, so an engine
-    # written before it still is an ``Engine``.
+    def score_tokens(self, sequences: list[list[int]]) -> list[list[float]] | None:
+        """log p(x_t | x_<t) of every token after the first of each sequence, at temperature 1, with
+        the engine's own weights and kernels, or None where it cannot. The RL recipe's sync check
+        (``rollout/sync_check.py``) compares it with the trainer after every weight sync; an engine
+        that returns None is not probed. The default (an engine class that subclasses ``Engine``): None."""
+        return None
+
+    def shares_policy(self, policy: torch.nn.Module) -> bool:
+        """Whether the engine samples from ``policy``'s own parameter tensors (then a sync copies
+        nothing and the sync check does not apply). The default (an engine class that subclasses
+        ``Engine``): False, an engine of its own weights."""
+        return False

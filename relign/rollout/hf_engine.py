@@ -331,6 +331,11 @@ class HFEngine(Engine):
         head, tied = output_head(self.model)
         return Fingerprint(fingerprint(self.model.named_parameters(), head=head, tied=tied))
 
+    def shares_policy(self, policy: torch.nn.Module) -> bool:
+        """The engine's model holds every one of ``policy``'s parameter tensors (one process, no copy)."""
+        engine_ptrs = {p.data_ptr() for p in self.model.parameters()}
+        return all(p.data_ptr() in engine_ptrs for p in policy.parameters())
+
     def score_tokens(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-probs of each sequence's tokens after the first, from one padded forward of the engine's model."""
         if not sequences:

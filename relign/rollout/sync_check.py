@@ -20,8 +20,8 @@ either stops the run with one line naming the engine and the step (``SyncMismatc
 
 An engine that holds the trainer's own tensors (the HF engine in one process without overlap)
 has nothing to check: nothing was copied. An engine whose ``weight_fingerprint`` is None
-(``Engine``'s default) gets the probe only; one without ``score_tokens`` (optional in the
-``Engine`` protocol) the fingerprint only.
+(``Engine``'s default) gets the probe only; one whose ``score_tokens`` is None (the default too)
+the fingerprint only.
 """
 
 from __future__ import annotations
@@ -39,16 +39,7 @@ __all__ = ["SyncMismatch", "can_check", "check_sync", "probe_sequences", "traine
 
 def can_check(engine, policy: torch.nn.Module) -> bool:
     """Whether the sync check applies: the engine holds weights of its own."""
-    return not engine_shares_policy(engine, policy)
-
-
-def engine_shares_policy(engine, policy: torch.nn.Module) -> bool:
-    """Whether ``engine`` samples from ``policy``'s own parameter tensors (then a sync copies nothing)."""
-    model = getattr(engine, "model", None)
-    if model is None:
-        return False
-    engine_ptrs = {p.data_ptr() for p in model.parameters()}
-    return all(p.data_ptr() in engine_ptrs for p in policy.parameters())
+    return not engine.shares_policy(policy)
 
 
 def probe_sequences(prompts: list[list[int]], count: int = 2, max_tokens: int = 64) -> list[list[int]]:
@@ -107,11 +98,12 @@ def check_sync(engine, policy: torch.nn.Module, sequences: list[list[int]], *, p
         if groups:
             mismatch = describe(groups, fp.groups, mine)
     mine_gap = 0.0
-    if sequences and hasattr(engine, "score_tokens"):
+    scored = engine.score_tokens(sequences) if sequences else None
+    if scored is not None:
         was_training = policy.training
         policy.eval()
         try:
-            mine_gap = gap(engine.score_tokens(sequences), trainer_logps(policy, sequences, pad_id))
+            mine_gap = gap(scored, trainer_logps(policy, sequences, pad_id))
         finally:
             policy.train(was_training)
     worst = distributed.all_reduce_max(torch.tensor([float(bool(mismatch)), mine_gap], dtype=torch.float64))

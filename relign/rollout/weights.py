@@ -63,6 +63,6 @@ def _lora_delta(layer) -> torch.Tensor | float:
 
 def engine_weights(engine, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights as ``engine`` takes them."""
-    if getattr(engine, "weight_format", "trainer") == "checkpoint":
+    if engine.weight_format == "checkpoint":
         return checkpoint_weights(model)
     return trainer_weights(model)

@@ -297,7 +297,7 @@ def test_a_collective_that_never_completes_ends_with_the_stacks_and_one_line(tmp
         "from pathlib import Path\n"
         "from relign import distributed, watchdog\n"
         "distributed.init()\n"
-        "watchdog.configure(2, Path(sys.argv[1]))\n"
+        "watchdog.configure(2, Path(sys.argv[1]), key='rollout.wait_timeout')\n"
         "if distributed.rank() == 1:\n"
         "    time.sleep(60)\n"
         "distributed.all_gather_object({'rank': distributed.rank()})\n")
