@@ -48,6 +48,7 @@ import numpy as np
 from relign.data.readers import DataError, read_records
 from relign.data.records import check_turns
 from relign.envs.reward_fn import call_batch, detect_reward_style, normalize_batch
+from relign.errors import ConfigError
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
@@ -148,6 +149,12 @@ def render(template: str, fields: dict[str, Any]) -> str:
     return out
 
 
+def generated(raw: dict, source: str, row: int) -> tuple[dict, dict]:
+    """``parse_row`` of a task that generates its problems (``generate_spec``): it reads no file, and
+    ``Task.load`` refuses one before its first row, so this runs only if called directly."""
+    raise DataError(source, row, None, "this task generates its problems; leave task.path empty")
+
+
 @dataclass
 class Task:
     """A single-turn task: where the data is, how a row becomes a prompt, how to score it."""
@@ -230,7 +237,10 @@ class Task:
         for a procedural task ``max_rows`` (default 1024) generated records, deterministic in
         ``seed``. Bad rows raise ``DataError`` naming the file, the row and the field.
         """
-        if not path and self.generate_spec is not None:
+        if self.generate_spec is not None:
+            if path:  # one refusal for every procedural task, before a file is opened
+                raise ConfigError(f"task.name={self.name} generates its problems from the seed: leave task.path empty "
+                                  f"(it is {path})")
             return self.generate(max_rows or self.generate_sizes[0], seed)
         source = path or self.default_path
         if source is None:

@@ -33,7 +33,7 @@ import random
 from typing import Any
 
 from relign.data.readers import DataError
-from relign.envs.base import Task
+from relign.envs.base import Task, generated
 from relign.envs.reader_rules import answers_match, normalize_answer, parse_statements
 
 FEATURES = {"red": 0.2, "blue": 0.8}
@@ -108,14 +108,11 @@ def frequency_summary(query: str, paragraphs: list[str]) -> str:
 def task(*, chat: bool = False, system_prompt: str | None = None, features: dict[str, float] | None = None,
          **_: Any) -> Task:
     """The synthetic calibration task (records generated from ``task.features`` and the seed)."""
-    return Task(name="calibration", parse_row=_no_rows, template=TEMPLATE, reward_spec="relign.envs.calibration:reward",
+    return Task(name="calibration", parse_row=generated, template=TEMPLATE, reward_spec="relign.envs.calibration:reward",
                 chat=chat, system_prompt=system_prompt, generate_spec="relign.envs.calibration:make_records",
                 generate_kwargs={"features": check_features(features or FEATURES)}, term_weights={"correct": 1.0},
                 step_delimiter=None)
 
-
-def _no_rows(raw: dict, source: str, row: int) -> tuple[dict, dict]:
-    raise DataError(source, row, None, "task.name=calibration generates its records: leave task.path empty")
 
 
 def parse_lc_row(raw: dict, source: str, row: int) -> tuple[dict, dict]:

@@ -53,8 +53,7 @@ from collections.abc import Iterator
 from typing import Any
 
 
-from relign.data.readers import DataError
-from relign.envs.base import Task, rng_guard
+from relign.envs.base import Task, generated, rng_guard
 from relign.errors import ConfigError
 
 NAME = "gem"
@@ -257,7 +256,7 @@ def task(*, chat: bool = False, system_prompt: str | None = None, gem: dict[str,
     if size < 1 or eval_size < 1:
         raise ConfigError(f"task.gem.size={size}, task.gem.eval_size={eval_size}: both must be >= 1")
     return Task(
-        name=NAME, parse_row=_no_rows, template="{observation}", reward_spec="relign.envs.gem_env:episode_reward",
+        name=NAME, parse_row=generated, template="{observation}", reward_spec="relign.envs.gem_env:episode_reward",
         chat=chat, system_prompt=system_prompt or None, env="relign.envs.gem_env:GemEnv",
         env_max_turns=limit if isinstance(limit, int) and limit > 0 else None,
         generate_spec="relign.envs.gem_env:generate",
@@ -276,6 +275,3 @@ def episode_reward(prompt: str, response: str, extra_info: dict, **_: Any) -> di
     done = bool(last and (last[2] or last[3]))
     return {"reward": r, "score": float(done and r >= float(g.get("success_reward", 1.0)))}
 
-
-def _no_rows(raw: dict, source: str, row: int) -> tuple[dict, dict]:
-    raise DataError(source, row, None, f"task.name={NAME} builds its games from seeds; leave task.path empty")

@@ -37,8 +37,7 @@ import random
 import typing
 from typing import Any
 
-from relign.data.readers import DataError
-from relign.envs.base import Task, rng_guard
+from relign.envs.base import Task, generated, rng_guard
 from relign.envs.math import last_boxed
 from relign.errors import ConfigError
 
@@ -276,7 +275,7 @@ def task(*, chat: bool = False, system_prompt: str | None = None, format_weight:
     threshold = float(opts.get("score_threshold", 1.0))
     boxed = answer_format == "boxed"
     return Task(
-        name=NAME, parse_row=_no_rows, template="{question}", reward_spec="relign.envs.reasoning_gym:reward",
+        name=NAME, parse_row=generated, template="{question}", reward_spec="relign.envs.reasoning_gym:reward",
         reward_kwargs={"answer_format": answer_format, "score_threshold": threshold, "format_weight": float(format_weight)},
         chat=chat, system_prompt=system or None,
         extract_spec="relign.envs.reasoning_gym:" + ("boxed_answer" if boxed else "final_answer"),
@@ -286,7 +285,3 @@ def task(*, chat: bool = False, system_prompt: str | None = None, format_weight:
         answer_marker="\\boxed" if boxed else "</answer>", step_delimiter="\n", reward_needs_reference=True,
     )
 
-
-def _no_rows(raw: dict, source: str, row: int) -> tuple[dict, dict]:
-    """reasoning_gym generates its problems; a file given as task.path is refused row by row."""
-    raise DataError(source, row, None, f"task.name={NAME} generates its problems; leave task.path empty")

@@ -48,22 +48,36 @@ class Problem:
     """The task's ground truth (the gold answer): used to grade, never to search unless allowed."""
 
 
-# The registry is a plain dict (DESIGN.md, principle 5). Importing the task modules is cheap:
-# the math task loads math_verify/sympy only when its reward runs.
-TASKS: dict[str, Callable[..., Task]] = {
-    "gsm8k": gsm8k_task,
-    "math": math_task,
-    "math500": math_task,
-    "countdown": countdown_task,
-    "calculator": calculator_task,
-    "reasoning_gym": reasoning_gym_task,  # needs relign[reasoning-gym]; imported when a task is built
-    "gem": gem_task,  # needs relign[gem]
-    "calibration": calibration_task,
-    "lc": lc_task,
-    "custom": make_custom_task,
+@dataclass(frozen=True)
+class TaskRow:
+    """A registered task: its factory, and what of the ``task`` config it reads beyond the common
+    options (``chat``, ``system_prompt``, ``format_weight``, ``reward_fn``): ``build_task`` checks a
+    config against the row, never against the task's name."""
+
+    factory: Callable[..., Task]
+    section: str = ""
+    """The ``TaskConfig`` section handed to the factory whole (``task.rg``, ``task.gem``), "" for none."""
+    options: tuple[str, ...] = ()
+    """The other ``task.*`` options it takes (``answer_format``: the math grader's; ``features``: the
+    calibration rooms')."""
+    from_file: bool = False
+    """A task of the user's own file: ``task.path`` and ``task.reward_fn`` are required (``custom``)."""
+
+
+# The registry is a plain dict of rows (DESIGN.md, principle 5). Importing the task modules is
+# cheap: the math task loads math_verify/sympy only when its reward runs.
+TASKS: dict[str, TaskRow] = {
+    "gsm8k": TaskRow(gsm8k_task),
+    "math": TaskRow(math_task, options=("answer_format",)),
+    "math500": TaskRow(math_task, options=("answer_format",)),
+    "countdown": TaskRow(countdown_task),
+    "calculator": TaskRow(calculator_task),
+    "reasoning_gym": TaskRow(reasoning_gym_task, section="rg"),  # needs relign[reasoning-gym]; imported when built
+    "gem": TaskRow(gem_task, section="gem"),  # needs relign[gem]
+    "calibration": TaskRow(calibration_task, options=("features",)),
+    "lc": TaskRow(lc_task),
+    "custom": TaskRow(make_custom_task, from_file=True),
 }
-# The factories that take a config section of their own: task.rg, task.gem (TaskConfig).
-SECTIONS = {"reasoning_gym": "rg", "gem": "gem"}
 
 
 def get_task(name_or_spec: str, **kwargs: Any) -> Task:
@@ -75,7 +89,7 @@ def get_task(name_or_spec: str, **kwargs: Any) -> Task:
     of ``make_custom_task``.
     """
     if name_or_spec in TASKS:
-        factory = TASKS[name_or_spec]
+        factory = TASKS[name_or_spec].factory
     elif ":" in name_or_spec:
         factory = load_function(name_or_spec)
     else:
@@ -88,7 +102,7 @@ def get_task(name_or_spec: str, **kwargs: Any) -> Task:
 
 def is_multi_turn(name: str) -> bool:
     """Whether the registered task ``name`` runs its episodes in a multi-turn environment."""
-    return name in TASKS and name != "custom" and TASKS[name]().env is not None
+    return name in TASKS and not TASKS[name].from_file and TASKS[name].factory().env is not None
 
 
 def build_task(name: str, *, path: str = "", reward_fn: str = "", chat: bool = True, system_prompt: str = "",
@@ -102,25 +116,25 @@ def build_task(name: str, *, path: str = "", reward_fn: str = "", chat: bool = T
     ``"boxed_or_final"``, ``"any"``). ``sections`` (the ``TaskConfig``, or any object with its
     ``rg`` / ``gem`` attributes) gives a procedural task its own section (``SECTIONS``). Problems a
     user can fix raise ``ConfigError``."""
+    row = TASKS.get(name, TaskRow(load_function))  # a 'file.py:factory' spec takes the common options only
     opts: dict[str, Any] = {"chat": chat, "system_prompt": system_prompt or None}
-    if name in SECTIONS and sections is not None:
-        section = getattr(sections, SECTIONS[name])
-        opts[SECTIONS[name]] = dataclasses.asdict(section) if dataclasses.is_dataclass(section) else dict(section)
-    if answer_format != "boxed":
-        if name not in ("math", "math500"):
-            raise ConfigError(f"task.answer_format={answer_format} applies to the math task, not task.name={name}")
-        opts["answer_format"] = answer_format
-    if features:
-        if name != "calibration":
-            raise ConfigError(f"task.features apply to the calibration task, not task.name={name}")
-        opts["features"] = dict(features)
+    if row.section and sections is not None:
+        section = getattr(sections, row.section)
+        opts[row.section] = dataclasses.asdict(section) if dataclasses.is_dataclass(section) else dict(section)
+    for key, value, given, shown in (("answer_format", answer_format, answer_format != "boxed", f"={answer_format}"),
+                                     ("features", dict(features or {}), bool(features), "")):
+        if given:
+            if key not in row.options:
+                takers = " or ".join(n for n, r in TASKS.items() if key in r.options)
+                raise ConfigError(f"task.{key}{shown} applies to task.name={takers}, not task.name={name}")
+            opts[key] = value
     if reward_fn and ":" not in reward_fn:
         reward_fn += ":reward"  # 'my_reward.py' means its function named reward, as in relign rl
     try:
-        if name == "custom":
+        if row.from_file:
             if not (path and reward_fn):
-                raise ConfigError("task.name=custom needs the problems' path and task.reward_fn ('file.py:function')")
-            task = get_task("custom", data_path=path, reward_fn_spec=reward_fn, reward_style=reward_style, **opts)
+                raise ConfigError(f"task.name={name} needs the problems' path and task.reward_fn ('file.py:function')")
+            task = get_task(name, data_path=path, reward_fn_spec=reward_fn, reward_style=reward_style, **opts)
         else:
             task = get_task(name, format_weight=format_weight, **opts)
             if reward_fn:
@@ -181,4 +195,4 @@ def encode_problems(tokenizer, records: list[dict], *, max_prompt_length: int = 
     return problems, skipped_long
 
 
-__all__ = ["TASKS", "Problem", "build_task", "encode_problems", "get_task", "is_multi_turn", "problem_text", "render_prompt"]
+__all__ = ["TASKS", "Problem", "TaskRow", "build_task", "encode_problems", "get_task", "is_multi_turn", "problem_text", "render_prompt"]

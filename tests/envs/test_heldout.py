@@ -35,11 +35,11 @@ def _questions(records: list[dict]) -> list[str]:
 def _procedural() -> list[str]:
     """Every registered task that generates its problems (the registry, read at collection time)."""
     names = []
-    for name, factory in TASKS.items():
-        if name == "custom":
+    for name, row in TASKS.items():
+        if row.from_file:
             continue
         try:
-            task = factory()
+            task = row.factory()
         except ConfigError:  # an optional package (reasoning-gym, gem) that is not installed: still listed
             names.append(name)
             continue
@@ -50,7 +50,7 @@ def _procedural() -> list[str]:
 
 def _task(name: str) -> Task:
     try:
-        return TASKS[name]()
+        return TASKS[name].factory()
     except ConfigError as e:
         pytest.skip(f"{name}: {e}")
 
@@ -140,3 +140,28 @@ def test_the_system_prompt_reaches_every_generated_record_once(name, chat):
     heldout, _ = t.load_heldout(max_rows=4, train_rows=8)
     assert all((r["messages"][0]["content"] if chat else r["prompt"].split("\n\n")[0]) == "Answer briefly." for r in heldout)
     assert all(str(r).count("Answer briefly.") == 1 for r in [*want, *heldout])
+
+
+@pytest.mark.parametrize("name", _procedural())
+def test_a_generated_task_refuses_a_file_before_opening_it(name, tmp_path):
+    """task.path on a task that generates its problems: one ConfigError naming the task and the file,
+    from ``Task.load`` itself (no file is opened: this one does not exist), for train and held-out alike."""
+    task, missing = _task(name), tmp_path / "rows.jsonl"
+    for load in (task.load, task.load_heldout):
+        with pytest.raises(ConfigError, match=rf"task.name={task.name} generates its problems from the seed: leave "
+                                              rf"task.path empty \(it is {missing}\)"):
+            load(str(missing))
+
+
+def test_task_options_are_checked_against_the_task_row():
+    """build_task reads each task's accepted options from its row in TASKS, whatever its name."""
+    from relign.envs.tasks import TaskRow, build_task
+
+    takers = {k: sorted(n for n, r in TASKS.items() if k in r.options) for k in ("answer_format", "features")}
+    assert takers == {"answer_format": ["math", "math500"], "features": ["calibration"]}
+    assert all(isinstance(r, TaskRow) for r in TASKS.values()) and [n for n, r in TASKS.items() if r.from_file] == ["custom"]
+    with pytest.raises(ConfigError, match="task.features applies to task.name=calibration, not task.name=countdown"):
+        build_task("countdown", features={"room": 0.5})
+    with pytest.raises(ConfigError, match="task.answer_format=any applies to task.name=math or math500, not task.name=lc"):
+        build_task("lc", answer_format="any")
+    assert build_task("math500", answer_format="any").name.startswith("math")
