@@ -60,15 +60,10 @@ _DP_CP: Any = None  # its dp and cp dimensions flattened into one (FSDP's mesh),
 def init_mesh(tp_size: int = 1, cp_size: int = 1) -> None:
     """Lay the ranks out as a ``(dp, cp, tp)`` mesh, dp = world / (tp * cp): rank
     ``(d * cp + c) * tp + t``, so a replica's tp ranks are neighbours (on one node, where its
-    all-reduces are cheapest). tp = cp = 1: no mesh, nothing changes."""
+    all-reduces are cheapest). tp = cp = 1: no mesh, nothing changes. The sizes are the caller's to
+    check (``recipes.frame.check_parallel``: at least 1 each, tp x cp dividing the world)."""
     global _MESH, _DP_CP
     world = world_size()
-    for key, n in (("parallel.tp_size", tp_size), ("parallel.cp_size", cp_size)):
-        if n < 1:
-            raise ConfigError(f"bad value for {key!r}: {n}; it must be at least 1")
-    if world % (tp_size * cp_size):
-        raise ConfigError(f"parallel.tp_size x parallel.cp_size = {tp_size} x {cp_size} does not divide the world size "
-                          f"{world} (torchrun's --nproc_per_node x --nnodes)")
     _SIZES.update(tp=tp_size, cp=cp_size)
     _MESH = _DP_CP = None
     if tp_size * cp_size > 1:

@@ -30,7 +30,7 @@ from .. import distributed
 from ..data.collate import Packing
 from ..errors import ConfigError
 from . import varlen
-from .logprobs import entropy_from_logits, selective_log_softmax
+from .logprobs import entropy_from_logits, selective_log_softmax, token_logps, weighted_token_logps
 from .tp import check_heads
 
 NAME = "relign_ulysses"
@@ -204,3 +204,46 @@ def whole_row(x: torch.Tensor | None, group) -> torch.Tensor | None:
     ``cp_values``); exact (each column is one rank's value plus zeros). For callers whose loss
     and metrics read whole rows (RL); SFT sums its chunks' losses instead."""
     return None if x is None else _SumOverChunks.apply(x, group)
+
+
+# --------------------------------------------------------------------------- the one packed forward
+
+
+def packed_token_logps(model, input_ids: torch.Tensor, position_ids: torch.Tensor, packing: Packing, *,
+                       target_mask: torch.Tensor, keep: torch.Tensor | None = None, whole: bool = True, **kw
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p, entropy or None) [1, S] of a packed row (``data.collate.pack_rows``' layout), 0 off
+    ``target_mask``: every recipe's packed forward. On one process (or with no cp group) one
+    ``token_logps`` call with the collator's varlen layout and LM-head positions ``keep``; under
+    context parallel (``distributed.cp_group``) this rank's chunk of the row (``cp_token_logps``),
+    summed over the cp ranks into the whole row on every rank (``whole``, for a loss and metrics
+    that read whole rows: RL, DPO), or left at this rank's targets (``whole=False``: SFT sums its
+    ranks' chunk losses). ``kw``: ``temperature``, ``with_entropy``, ``entropy_grad``."""
+    group = distributed.cp_group()
+    if group is None:
+        return token_logps(model, input_ids, position_ids=position_ids, target_mask=target_mask, keep=keep,
+                           **varlen.forward_kwargs(model, packing), **kw)
+    lp, ent = cp_token_logps(model, input_ids, position_ids, group, packing=packing, **kw)
+    if whole:
+        lp, ent = whole_row(lp, group), whole_row(ent, group)
+    return lp * target_mask, ent * target_mask if ent is not None else None
+
+
+def packed_weighted_logps(model, input_ids: torch.Tensor, weights: torch.Tensor, position_ids: torch.Tensor,
+                          packing: Packing, *, keep: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``weighted_token_logps`` (the fused LM head taking SFT's gradients in its forward) of a packed
+    row, or None where it does not apply: a model it does not take, or context parallel, whose ranks
+    run chunks of the row (``packed_token_logps`` then)."""
+    if distributed.cp_group() is not None:
+        return None
+    return weighted_token_logps(model, input_ids, weights, position_ids=position_ids, keep=keep,
+                                **varlen.forward_kwargs(model, packing))
+
+
+def packed_values(critic, input_ids: torch.Tensor, position_ids: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """A ``ValueModel``'s V [1, S] of a packed row on every rank: one forward, or under context parallel
+    this rank's chunk summed over the cp ranks (``cp_values``, ``whole_row``)."""
+    group = distributed.cp_group()
+    if group is None:
+        return critic(input_ids, position_ids=position_ids, **varlen.forward_kwargs(critic, packing))
+    return whole_row(cp_values(critic, input_ids, position_ids, group, packing), group)

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ from ..models.flops import mfu as flops_mfu
 from ..models.flops import peak_flops
 from ..models.loading import resolve_device, trainable_parameters
 from ..models.precision import mixed_dtype
-from ..models.tp import apply_tp
+from ..models.tp import apply_tp, check_heads
 from ..optim import build_training, clip_gradients
 from ..rundir import open_run
 from ..tracking import Tracker, read_metrics
@@ -97,11 +98,7 @@ def open(cfg: Any, recipe: str, *, check: Callable[[Any], Any] | None = None, se
     distributed.init(wait_timeout=getattr(getattr(cfg, "rollout", None), "wait_timeout", 0.0))  # rl's deadline
     par = getattr(cfg, "parallel", None)  # the trainers' (dp, cp, tp) mesh; eval, rest and demo have none
     if par is not None:
-        if par.cp_size > 1 and recipe not in ("sft", "rl", "dpo"):
-            raise ConfigError(f"parallel.cp_size={par.cp_size}: context parallel trains sft, dpo and rl in this version "
-                              f"(relign {recipe} runs tensor and data parallel)")
-        if par.cp_size > 1 and not getattr(cfg, "packing", False):
-            raise ConfigError(f"parallel.cp_size={par.cp_size} splits packed rows over the cp ranks: set packing=true")
+        check_parallel(cfg, recipe)
         distributed.init_mesh(par.tp_size, par.cp_size)
     if check is not None:
         check(cfg)
@@ -110,6 +107,35 @@ def open(cfg: Any, recipe: str, *, check: Callable[[Any], Any] | None = None, se
     seed_everything(cfg.seed if seed is None else seed)
     run_dir = open_run(cfg, recipe, config_name=config_name)
     return Run(cfg, recipe, run_dir, device, t_start, peak_flops(device, cfg.logging.peak_tflops))
+
+
+CP_RECIPES = ("sft", "dpo", "rl")
+"""The recipes that split their packed rows over context-parallel ranks (the others run tp and dp)."""
+
+
+def check_parallel(cfg: Any, recipe: str) -> None:
+    """Every parallel setting that cannot work, in one place, before the mesh, the data or any weight
+    (``--dry-run`` included): the sizes (at least 1), context parallel's recipes and its packed rows,
+    tp x cp dividing the world, and the model's heads against tp and cp, read from its config alone
+    (each tp and cp rank takes whole query and key-value heads; a missing model.path is the recipe's
+    own check's to name)."""
+    par = cfg.parallel
+    tp, cp = par.tp_size, par.cp_size
+    for key, n in (("parallel.tp_size", tp), ("parallel.cp_size", cp)):
+        if n < 1:
+            raise ConfigError(f"bad value for {key!r}: {n}; it must be at least 1")
+    if cp > 1 and recipe not in CP_RECIPES:
+        raise ConfigError(f"parallel.cp_size={cp}: context parallel trains {', '.join(CP_RECIPES[:-1])} and "
+                          f"{CP_RECIPES[-1]} in this version (relign {recipe} runs tensor and data parallel)")
+    if cp > 1 and not getattr(cfg, "packing", False):
+        raise ConfigError(f"parallel.cp_size={cp} splits packed rows over the cp ranks: set packing=true")
+    world = distributed.world_size()
+    if world % (tp * cp):
+        raise ConfigError(f"parallel.tp_size x parallel.cp_size = {tp} x {cp} does not divide the world size "
+                          f"{world} (torchrun's --nproc_per_node x --nnodes)")
+    if tp * cp > 1 and cfg.model.path:
+        s = memory.read_shape(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        check_heads(SimpleNamespace(num_attention_heads=s.heads, num_key_value_heads=s.kv_heads), tp, cp)
 
 
 def checkpoint_to_resume(run: Run) -> Path | None:

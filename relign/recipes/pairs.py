@@ -16,7 +16,7 @@ from ..data.preference import PairExample, UnpairedExample, build_pair_examples,
 from ..data.stats import announce
 from ..errors import ConfigError
 from ..models import varlen
-from ..models.cp import cp_token_logps, whole_row
+from ..models.cp import packed_token_logps
 from ..models.logprobs import shared_prefix_token_logps, token_logps
 
 
@@ -186,12 +186,9 @@ def sequence_logps(model, mb: dict, *, share_prompt: bool, packed: bool = False,
         row, col, first = (x.to(mask.device, non_blocking=True) for x in (row, col, first))
         packing, keep = packing.to(mask.device, non_blocking=True), keep.to(mask.device, non_blocking=True)
         target = (mask[row, col] * ~first)[None]  # a packed sequence's first token is scored against another: never a target
-        ids, pos, group = mb["input_ids"][row, col][None], col[None], distributed.cp_group()
-        if group is None:
-            logps, _ = token_logps(model, ids, position_ids=pos, target_mask=target, keep=keep,
-                                   **varlen.forward_kwargs(model, packing))
-        else:  # context parallel: this rank runs its chunk of the row, every cp rank gets the whole row (models.cp)
-            logps = whole_row(cp_token_logps(model, ids, pos, group, packing=packing)[0], group)
+        # under context parallel each cp rank runs its chunk of the row, and every one gets the whole row
+        logps, _ = packed_token_logps(model, mb["input_ids"][row, col][None], col[None], packing, target_mask=target,
+                                      keep=keep)
         sums = torch.zeros(mask.shape[0], dtype=logps.dtype, device=logps.device).index_add(0, row, (logps * target)[0])
         return sums, mask.sum(-1)
     if share_prompt:

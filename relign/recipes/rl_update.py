@@ -51,9 +51,8 @@ from ..algorithms.trpo import self_kl, surrogate_objective, token_kl, trpo_step
 from ..data.balance import micro_batch_plan
 from ..data.collate import Packing, keep_index, pack_rows
 from ..models import lean
-from ..models.cp import cp_token_logps, cp_values, whole_row
+from ..models.cp import packed_token_logps, packed_values
 from ..models.logprobs import PromptPrefix, prompt_prefix, response_token_logps, shared_prefix_token_logps, token_logps
-from ..models.varlen import forward_kwargs
 from ..optim import clip_gradients
 from ..rollout.batch import RolloutBatch
 
@@ -196,12 +195,8 @@ def forward_logps(model, batch: RolloutBatch, rows: torch.Tensor, layout: Layout
         return lp * on, ent * on if ent is not None else None
     if layout.kind == "packed":
         p = _packed(batch, rows, layout.group_size, layout.max_length)
-        group = distributed.cp_group()
-        if group is None:
-            lp, ent = token_logps(model, p.ids, position_ids=p.pos, target_mask=p.response_mask, keep=p.keep,
-                                  **forward_kwargs(model, p.packing), **kw)  # [1, S]
-        else:  # context parallel: this rank runs its chunk of the row; every cp rank gets the whole row
-            lp, ent = (whole_row(x, group) for x in cp_token_logps(model, p.ids, p.pos, group, packing=p.packing, **kw))
+        # [1, S]; under context parallel each cp rank runs its chunk and every one gets the whole row
+        lp, ent = packed_token_logps(model, p.ids, p.pos, p.packing, target_mask=p.response_mask, keep=p.keep, **kw)
         # a packed segment's first token is scored against the previous segment: never a target
         back = lambda x: x.new_zeros(len(rows), L).index_put((p.where[0], p.where[1]), x[0] * p.response_mask[0])  # noqa: E731
         return back(lp), back(ent) if ent is not None else None
@@ -217,11 +212,7 @@ def forward_values(critic, batch: RolloutBatch, rows: torch.Tensor, layout: Layo
     L = batch.input_ids.shape[1]
     if layout.kind == "packed":
         p = _packed(batch, rows, layout.group_size, layout.max_length)
-        group = distributed.cp_group()
-        if group is None:
-            v = critic(p.ids, position_ids=p.pos, **forward_kwargs(critic, p.packing))  # [1, S]
-        else:
-            v = whole_row(cp_values(critic, p.ids, p.pos, group, p.packing), group)
+        v = packed_values(critic, p.ids, p.pos, p.packing)  # [1, S]
         return v.new_zeros(len(rows), L).index_put((p.where[0], p.where[1]), v[0] * p.response_mask[0])
     width = int(batch.seq_lens[rows].max())
     return F.pad(critic(batch.input_ids[rows, :width]), (0, L - width))

@@ -30,11 +30,11 @@ from ..data.collate import chunks, pack_collate, pad_collate, shard, to_device
 from ..data.sft import TRUNCATION, SFTExample, build_sft_examples
 from ..data.stats import announce
 from ..models.budget import device_tokens
-from ..models.cp import cp_token_logps
+from ..models.cp import packed_token_logps, packed_weighted_logps
 from ..models.flops import ModelFlops, model_flops
 from ..models.loading import load_model_tokenizer
 from ..models.logprobs import token_logps, weighted_token_logps
-from ..models.varlen import forward_kwargs, packed_attention
+from ..models.varlen import packed_attention
 from . import RunResult, build, frame
 
 
@@ -74,35 +74,32 @@ def _collate(examples: list[SFTExample], packing: bool, pad_id: int, device, max
     return to_device(batch, device)
 
 
-def _forward(model, mb: dict, cp_group=None) -> torch.Tensor:
-    if cp_group is not None:  # parallel.cp_size > 1: this rank's chunk of the packed row (models.cp)
-        logps, _ = cp_token_logps(model, mb["input_ids"], mb["position_ids"], cp_group, packing=mb["packing"])
-        return logps * mb["loss_mask"]
+def _forward(model, mb: dict) -> torch.Tensor:
     if "packing" in mb:  # the collator's layout and LM-head positions: the forward reads nothing back (models.varlen)
-        logps, _ = token_logps(model, mb["input_ids"], position_ids=mb["position_ids"], target_mask=mb["loss_mask"],
-                               keep=mb["keep"], **forward_kwargs(model, mb["packing"]))
+        # under context parallel, this rank's chunk of the row: the ranks' chunk losses sum to the row's (models.cp)
+        logps, _ = packed_token_logps(model, mb["input_ids"], mb["position_ids"], mb["packing"],
+                                      target_mask=mb["loss_mask"], keep=mb["keep"], whole=False)
         return logps
     logps, _ = token_logps(model, mb["input_ids"], attention_mask=mb["attention_mask"], target_mask=mb["loss_mask"])
     return logps  # [B, T]
 
 
-def _loss(model, mb: dict[str, torch.Tensor], loss_agg: str, normalizer: torch.Tensor, cp_group=None) -> torch.Tensor:
+def _loss(model, mb: dict[str, torch.Tensor], loss_agg: str, normalizer: torch.Tensor) -> torch.Tensor:
     """The micro-batch's share of the step's loss, aggregate(-log p, loss_mask, loss_agg, N)."""
     mask, seg = mb["loss_mask"], mb["segment_ids"]
-    if cp_group is None:
-        # the loss is linear in log p: -sum_t c_t log p_t, c each token's weight in the reduction. With
-        # c known before the forward the fused LM head takes its gradients there, and no logits exist
-        v = torch.zeros(mask.shape, device=mask.device, requires_grad=True)
-        with torch.enable_grad():
-            (c,) = torch.autograd.grad(aggregate(v, mask, loss_agg, normalizer, segment_ids=seg), v)
-        if "packing" in mb:  # the collator's layout and LM-head positions, as in _forward
-            s = weighted_token_logps(model, mb["input_ids"], c, position_ids=mb["position_ids"], keep=mb["keep"],
-                                     **forward_kwargs(model, mb["packing"]))
-        else:
-            s = weighted_token_logps(model, mb["input_ids"], c, attention_mask=mb["attention_mask"])
-        if s is not None:
-            return -s
-    return aggregate(-_forward(model, mb, cp_group), mask, loss_agg, normalizer, segment_ids=seg)
+    # the loss is linear in log p: -sum_t c_t log p_t, c each token's weight in the reduction. With
+    # c known before the forward the fused LM head takes its gradients there, and no logits exist
+    v = torch.zeros(mask.shape, device=mask.device, requires_grad=True)
+    with torch.enable_grad():
+        (c,) = torch.autograd.grad(aggregate(v, mask, loss_agg, normalizer, segment_ids=seg), v)
+    if "packing" in mb:  # the collator's layout and LM-head positions, as in _forward
+        s = packed_weighted_logps(model, mb["input_ids"], c, mb["position_ids"], mb["packing"], keep=mb["keep"])
+    else:
+        s = weighted_token_logps(model, mb["input_ids"], c, attention_mask=mb["attention_mask"])
+    if s is not None:
+        return -s
+    # under context parallel, this rank's chunk's targets: the ranks' losses sum to the row's
+    return aggregate(-_forward(model, mb), mask, loss_agg, normalizer, segment_ids=seg)
 
 
 def _load_data(cfg: Config, tok) -> tuple[list[SFTExample], list[SFTExample], dict[str, float]]:
@@ -157,10 +154,10 @@ def accumulate_gradients(
     micro = [(_collate(group, packing, pad_id, device, max_length), real) for group, real in groups]
     count = sum(aggregate_count(mb["loss_mask"], loss_agg, segment_ids=mb["segment_ids"]) for mb, real in micro if real)
     normalizer = distributed.all_reduce_sum(count)
-    scale, cp_group = distributed.grad_scale(), distributed.cp_group()
+    scale = distributed.grad_scale()
     loss_sum = torch.zeros((), device=device)
     for mb, real in micro:  # a filler pass (real False) keeps the ranks in lockstep and adds nothing
-        loss = _loss(model, mb, loss_agg, normalizer, cp_group) * float(real)  # under cp, this rank's chunk's targets
+        loss = _loss(model, mb, loss_agg, normalizer) * float(real)
         # FSDP averages gradients over ranks; scale so that they sum instead (N is global).
         (loss * scale).backward()
         loss_sum += loss.detach()

@@ -24,6 +24,35 @@ def test_heads_that_do_not_split_name_the_key():
         check_heads(config, 2, 2)
 
 
+def test_check_parallel_holds_every_parallel_check_and_reads_the_heads_from_the_config(tiny_model_dir, monkeypatch):
+    """recipes.frame.check_parallel, as frame.open runs it before the mesh, the data or any weight (so --dry-run
+    too): sizes, the world, context parallel's recipes and packed rows, then the heads from config.json alone
+    (the tiny model: 4 attention heads, 2 key-value heads), here on a pretend world of 4 ranks."""
+    from types import SimpleNamespace
+
+    from relign import distributed
+    from relign.recipes.frame import check_parallel
+
+    monkeypatch.setattr(distributed, "world_size", lambda: 4)
+
+    def cfg(tp, cp, packing=True, path=str(tiny_model_dir)):
+        return SimpleNamespace(parallel=SimpleNamespace(tp_size=tp, cp_size=cp), packing=packing,
+                               model=SimpleNamespace(path=path, trust_remote_code=False))
+
+    check_parallel(cfg(2, 1), "sft")
+    check_parallel(cfg(1, 2), "rl")
+    check_parallel(cfg(2, 2, path=""), "dpo")  # no model yet: the recipe's own check names model.path
+    for c, recipe, message in [
+            (cfg(0, 1), "sft", r"^bad value for 'parallel.tp_size': 0; it must be at least 1$"),
+            (cfg(1, 3), "sft", r"^parallel.tp_size x parallel.cp_size = 1 x 3 does not divide the world size 4 "),
+            (cfg(1, 2), "rm", r"^parallel.cp_size=2: context parallel trains sft, dpo and rl in this version \(relign rm"),
+            (cfg(1, 2, packing=False), "sft", r"^parallel.cp_size=2 splits packed rows over the cp ranks: set packing=true$"),
+            (cfg(4, 1), "sft", r"^parallel.tp_size=4 does not divide the model's 2 key-value heads"),
+            (cfg(2, 2), "sft", r"^parallel.tp_size x parallel.cp_size = 4 does not divide the model's 2 key-value heads")]:
+        with pytest.raises(ConfigError, match=message):
+            check_parallel(c, recipe)
+
+
 class _Stack(torch.nn.Module):
     def __init__(self, config):
         super().__init__()
