@@ -378,54 +378,63 @@ class Micro:
         self.tokens = largest * size // self.parts
 
 
-def plan_rl(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Plan:
-    """RL (``recipes/rl.py``): the HF or vLLM engine samples ``prompts_per_step`` x ``rollout.n``
-    completions; the reference, old log-probs, values and updates run micro-batches that
-    ``rl_update.plan`` cuts by ``max_tokens_per_micro`` and ``micro_batch_size`` (groups whole where
-    a prompt runs once); every prompt at ``task.max_prompt_length`` and every response at its
-    budget."""
-    ro, a, t, m = cfg.rollout, cfg.algorithm, cfg.task, cfg.model
-    dp, cp, tp = _ranks(cfg, world)
-    model = Model(m, shape, tp=tp, dp=dp * cp, device=_type(device))
-    s, prec = shape, model.prec
-    n, Pl = ro.n, t.max_prompt_length
-    R = ro.max_response_tokens or ro.max_new_tokens * max(1, ro.max_turns)
+@dataclass(frozen=True)
+class _RLLayout:
+    """An RL step's sequences as the passes lay them out (``rl_update.Layout``), at the worst case."""
+
+    n: int
+    """Samples per prompt (``rollout.n``)."""
+    Pl: int
+    """The longest prompt (``task.max_prompt_length``)."""
+    R: int
+    """The longest response (its token budget over every turn)."""
+    G: int
+    """Sequences per item: n where a group's prompt runs once (packed continuations, or the KV-cache prefix), else 1."""
+    pack: bool
+    size: int
+    """Tokens of one item (a sequence, or a group of n sharing its prompt)."""
+    items: int
+    """Items of the step."""
+    why: str
+    """Why the layout keeps the model's own LM head ("" where the fused head may run)."""
+
+    @property
+    def name(self) -> str:
+        return "packed" if self.pack else ("shared prompt, padded" if self.G > 1 else "padded")
+
+
+def _rl_layout(cfg: Any, model: Model) -> _RLLayout:
+    ro, Pl = cfg.rollout, cfg.task.max_prompt_length
+    n, R = ro.n, ro.max_response_tokens or ro.max_new_tokens * max(1, ro.max_turns)
     share = cfg.share_prompt and n > 1
     pack = cfg.packing or (share and model.packed_attention)
     continued = share and model.packed_attention
     G = n if (share and (continued or not pack)) else 1
-    # the shared-prefix layout hands the logits of each prompt's last position across micro-batches (stage a)
-    layout_why = "the shared-prefix layout" if share and not pack else ""
-    fused = model.fused(layout_why)
     if G == 1:
         size = Pl + R
     elif pack:
         size = Pl + n * R + n - 1  # [prompt, y_1][prompt[-1], y_2]...: the prompt once, its last token again
     else:
         size = Pl + n * R  # the prompt once against its KV cache, the responses padded
-    items = cfg.prompts_per_step * (1 if G > 1 else n)
-    held = model.weights * (2 if a.kl != "none" and not m.lora.enabled else 1)  # in memory when the budget is taken
-    max_tokens = token_budget(cfg.max_tokens_per_micro, model, device, cpu=budget.CPU_TOKENS, held=held)
-    whole = Micro(items, size, G, dp=dp, max_tokens=max_tokens, max_rows=cfg.micro_batch_size)
-    mini = Micro(max(1, items // a.mini_batches), size, G, dp=dp, max_tokens=max_tokens, max_rows=cfg.micro_batch_size)
-    positions = mini.seqs * R // cp  # context parallel: each cp rank runs its chunk of the row
-    kl = a.kl != "none"
-    estimator_values = a.advantage == "gae"
-    reuse = a.ppo_epochs * a.mini_batches > 1 or a.tis_cap > 0 or a.kl == "reward" or ro.max_staleness > 0
-    # ---- what stays in memory the whole step
-    ref = {"reference": P.weight_bytes(model.local, prec.param)} if kl and not m.lora.enabled else {}
-    critic = {}
-    if estimator_values:
-        c_params = model.local + s.d + 1  # the backbone (with its unused head) and the value head
-        critic = {"critic": P.weight_bytes(c_params, prec.param) + P.adamw_bytes(c_params, prec.param)}
-    keep = {**model.states(grads=False), **ref, **critic}
-    # ---- rollout: the engine's cache and weight copies (one process: the HF engine shares the policy)
+    # the shared-prefix layout hands the logits of each prompt's last position across micro-batches (stage a)
+    why = "the shared-prefix layout" if share and not pack else ""
+    return _RLLayout(n, Pl, R, G, pack, size, cfg.prompts_per_step * (1 if G > 1 else n), why)
+
+
+def _rl_rollout(cfg: Any, model: Model, device: P.Device, world: int, keep: dict[str, int]
+                ) -> tuple[P.Stage, dict[str, int], int]:
+    """The rollout stage (the engine's cache and weight copies; one process: the HF engine shares the
+    policy), what the engine holds asleep during the other stages, and the rows of an engine call."""
+    ro, m, s, prec = cfg.rollout, cfg.model, model.s, model.prec
+    n, Pl = ro.n, cfg.task.max_prompt_length
+    R = ro.max_response_tokens or ro.max_new_tokens * max(1, ro.max_turns)
     prompts_rank = max(1, cfg.prompts_per_step // world)
     rows = min(max(1, ro.max_batch_rows // n), prompts_rank) * n
     # the HF engine's own full replica of the policy: under torchrun (the policy is sharded), rollout.overlap=thread
     replica = ro.engine != "vllm" and (world > 1 or ro.overlap == "thread")
     if ro.engine == "vllm":
         engine = _vllm_terms(cfg, s, prec, device, rows, Pl + R)
+        asleep = _vllm_terms(cfg, s, prec, device, rows, Pl + R, awake=False)
     else:
         b = prec.compute
         fast = ro.fast_decode and s.model_type in ("llama", "qwen2", "qwen3") and not m.lora.enabled
@@ -435,60 +444,92 @@ def plan_rl(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pla
                   "engine weights": (P.decode_copy_bytes(s, b) if fast else 0)
                   + (P.weight_bytes(s.params, prec.param) if replica else 0),
                   "decode": max(P.decode_step_bytes(s, rows), P.nograd_forward_bytes(s, rows // n * Pl, 0, prec))}
-    asleep = {"engine weights": P.weight_bytes(s.params, prec.param)} if replica else {}
-    if ro.engine == "vllm":
-        asleep = _vllm_terms(cfg, s, prec, device, rows, Pl + R, awake=False)
-    decode_bytes = s.linear_params * prec.compute
-    rollout_s = None
+        asleep = {"engine weights": P.weight_bytes(s.params, prec.param)} if replica else {}
+    seconds = None
     if device.tbs:  # every decode step reads the weights and the cache once: a bandwidth bound
         steps = R * math.ceil(prompts_rank * n / rows)
-        rollout_s = steps * (decode_bytes + rows * (Pl + R / 2) * P.kv_bytes_per_token(s, prec.compute)) / (device.tbs * 1e12)
-    stages = [P.Stage("rollout", {**keep, **engine}, key="rollout.max_batch_rows", seconds=rollout_s)]
-    nograd = model.nograd_pass(whole.tokens, whole.seqs * R, fused=fused, temperature=ro.temperature)
-    pass_flops = model.flops(whole.tokens * whole.passes, whole.seqs * whole.passes * R, 0)
-    if kl:
-        stages.append(P.Stage("reference", {**keep, **asleep, "forward (no grad)": nograd}, key="max_tokens_per_micro",
-                              seconds=_seconds(pass_flops, device)))
-    if reuse:
-        stages.append(P.Stage("old_logps", {**keep, **asleep, "forward (no grad)": nograd}, key="max_tokens_per_micro",
-                              seconds=_seconds(pass_flops, device)))
+        per_step = s.linear_params * prec.compute + rows * (Pl + R / 2) * P.kv_bytes_per_token(s, prec.compute)
+        seconds = steps * per_step / (device.tbs * 1e12)
+    return P.Stage("rollout", {**keep, **engine}, key="rollout.max_batch_rows", seconds=seconds), asleep, rows
+
+
+def _critic_stages(model: Model, held: dict[str, int], mini: "Micro", lay: _RLLayout, *, cp: int, updates: int,
+                   device: P.Device) -> list[P.Stage]:
+    """A critic's update (its backward beside everything the step holds) and its optimizer step."""
+    s, prec = model.s, model.prec
+    c_params = model.local + s.d + 1  # the backbone (with its unused head) and the value head
+    crit = model.train_pass(mini.tokens // cp, 0, packed=lay.pack, rope=mini.tokens // cp if lay.pack else lay.size,
+                            accum=mini.passes > 1, head=False)
+    crit = {k: v for k, v in crit.items() if k not in ("weights", "AdamW state", "gradients")}
+    grads = {"critic gradients": P.grad_bytes(c_params, prec.param)}
+    return [P.Stage("critic update", {**held, **grads, **{f"critic {k}": v for k, v in crit.items() if v}},
+                    key="max_tokens_per_micro",
+                    seconds=_seconds(3 * updates * model.flops(mini.tokens * mini.passes, 0, 0), device)),
+            # the critic's own clip_gradients, after its backward: a float64 copy of its largest gradient (the embedding's)
+            P.Stage("critic optimizer", {**held, **grads, "optimizer step": P.grad_norm_bytes(s.embedding // model.dp)},
+                    key="optim")]
+
+
+def plan_rl(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Plan:
+    """RL (``recipes/rl.py``): the HF or vLLM engine samples ``prompts_per_step`` x ``rollout.n``
+    completions; the reference, old log-probs, values and updates run micro-batches that
+    ``rl_update.plan`` cuts by ``max_tokens_per_micro`` and ``micro_batch_size`` (groups whole where
+    a prompt runs once); every prompt at ``task.max_prompt_length`` and every response at its
+    budget."""
+    ro, a, m = cfg.rollout, cfg.algorithm, cfg.model
+    dp, cp, tp = _ranks(cfg, world)
+    model = Model(m, shape, tp=tp, dp=dp * cp, device=_type(device))
+    lay = _rl_layout(cfg, model)
+    fused = model.fused(lay.why)
+    kl = a.kl != "none"
+    held = model.weights * (2 if kl and not m.lora.enabled else 1)  # in memory when the budget is taken
+    max_tokens = token_budget(cfg.max_tokens_per_micro, model, device, cpu=budget.CPU_TOKENS, held=held)
+    whole = Micro(lay.items, lay.size, lay.G, dp=dp, max_tokens=max_tokens, max_rows=cfg.micro_batch_size)
+    mini = Micro(max(1, lay.items // a.mini_batches), lay.size, lay.G, dp=dp, max_tokens=max_tokens,
+                 max_rows=cfg.micro_batch_size)
+    positions = mini.seqs * lay.R // cp  # context parallel: each cp rank runs its chunk of the row
+    estimator_values = a.advantage == "gae"
+    reuse = a.ppo_epochs * a.mini_batches > 1 or a.tis_cap > 0 or a.kl == "reward" or ro.max_staleness > 0
+    # ---- what stays in memory the whole step
+    ref = {"reference": P.weight_bytes(model.local, model.prec.param)} if kl and not m.lora.enabled else {}
+    critic = {}
+    if estimator_values:
+        c_params = model.local + shape.d + 1  # the backbone (with its unused head) and the value head
+        critic = {"critic": P.weight_bytes(c_params, model.prec.param) + P.adamw_bytes(c_params, model.prec.param)}
+    keep = {**model.states(grads=False), **ref, **critic}
+    rollout, asleep, rows = _rl_rollout(cfg, model, device, world, keep)
+    stages = [rollout]
+    # ---- the passes without gradients, then the update's
+    nograd = {**keep, **asleep, "forward (no grad)": model.nograd_pass(whole.tokens, whole.seqs * lay.R, fused=fused,
+                                                                        temperature=ro.temperature)}
+    pass_s = _seconds(model.flops(whole.tokens * whole.passes, whole.seqs * whole.passes * lay.R, 0), device)
+    stages += [P.Stage(name, dict(nograd), key="max_tokens_per_micro", seconds=pass_s)
+               for name, runs in (("reference", kl), ("old_logps", reuse)) if runs]
     if estimator_values:
         stages.append(P.Stage("values", {**keep, **asleep,
-                                         "forward (no grad)": P.nograd_forward_bytes(s, whole.tokens, 0, prec)},
-                              key="max_tokens_per_micro", seconds=_seconds(model.flops(whole.tokens * whole.passes, 0, 0),
-                                                                          device)))
-    accum = mini.passes > 1
+                                         "forward (no grad)": P.nograd_forward_bytes(shape, whole.tokens, 0, model.prec)},
+                              key="max_tokens_per_micro",
+                              seconds=_seconds(model.flops(whole.tokens * whole.passes, 0, 0), device)))
     updates = a.ppo_epochs * a.mini_batches
     upd_flops = 3 * updates * model.flops(mini.tokens * mini.passes, positions * mini.passes, 0)
-    stages.append(P.Stage("update", {**model.train_pass(mini.tokens // cp, positions, packed=pack,
-                                                        rope=mini.tokens // cp if pack else size,
-                                                        accum=accum, fused=fused, entropy=True,
+    stages.append(P.Stage("update", {**model.train_pass(mini.tokens // cp, positions, packed=lay.pack,
+                                                        rope=mini.tokens // cp if lay.pack else lay.size,
+                                                        accum=mini.passes > 1, fused=fused, entropy=True,
                                                         entropy_grad=a.entropy_coef > 0, temperature=ro.temperature),
                                      **ref, **critic, **asleep},
                           key="max_tokens_per_micro" if not cfg.micro_batch_size else "micro_batch_size",
                           seconds=_seconds(upd_flops, device)))
     if estimator_values:
-        c_params = model.local + s.d + 1  # the backbone (with its unused head) and the value head
-        crit = model.train_pass(mini.tokens // cp, 0, packed=pack, rope=mini.tokens // cp if pack else size, accum=accum,
-                                head=False)
-        crit = {k: v for k, v in crit.items() if k not in ("weights", "AdamW state", "gradients")}
-        stages.append(P.Stage("critic update", {**keep, **asleep, "critic gradients": P.grad_bytes(c_params, prec.param),
-                                                **{f"critic {k}": v for k, v in crit.items() if v}},
-                              key="max_tokens_per_micro", seconds=_seconds(3 * updates * model.flops(
-                                  mini.tokens * mini.passes, 0, 0), device)))
-        # the critic's own clip_gradients, after its backward: a float64 copy of its largest gradient (the embedding's)
-        stages.append(P.Stage("critic optimizer", {**keep, **asleep, "critic gradients": P.grad_bytes(c_params, prec.param),
-                                                   "optimizer step": P.grad_norm_bytes(s.embedding // model.dp)},
-                              key="optim"))
+        stages += _critic_stages(model, {**keep, **asleep}, mini, lay, cp=cp, updates=updates, device=device)
     stages.append(P.Stage("optimizer", {**model.optimizer_step(), **ref, **critic, **asleep}, key="optim"))
-    layout = "packed" if pack else ("shared prompt, padded" if G > 1 else "padded")
+    budget_text = f"{max_tokens:,}" if max_tokens else "none"
     facts = _facts(cfg, model, world) + [
-        f"rollout: {cfg.prompts_per_step} prompts x {n} samples, {rows} rows per engine call "
-        f"({ro.engine}), prompts up to {Pl} tokens, responses up to {R}",
-        f"largest update micro-batch: {mini.tokens:,} tokens ({mini.seqs} sequences, {layout}; budget "
-        f"{f'{max_tokens:,}' if max_tokens else 'none'}{' by device' if cfg.max_tokens_per_micro is None else ''}), logits at "
-        f"{positions:,} positions; {mini.passes} pass{'es' if mini.passes > 1 else ''} per update, {updates} update{'s' if updates > 1 else ''} per step",
-        _head_fact(model.head_why or layout_why)]
+        f"rollout: {cfg.prompts_per_step} prompts x {lay.n} samples, {rows} rows per engine call "
+        f"({ro.engine}), prompts up to {lay.Pl} tokens, responses up to {lay.R}",
+        f"largest update micro-batch: {mini.tokens:,} tokens ({mini.seqs} sequences, {lay.name}; budget "
+        f"{budget_text}{' by device' if cfg.max_tokens_per_micro is None else ''}), logits at {positions:,} positions; "
+        f"{mini.passes} pass{'es' if mini.passes > 1 else ''} per update, {updates} update{'s' if updates > 1 else ''} per step",
+        _head_fact(model.head_why or lay.why)]
     return P.Plan("rl", device, stages, facts)
 
 
