@@ -26,7 +26,6 @@ examples/ name the published algorithms; see docs/rl.md for the table.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 import warnings
@@ -68,7 +67,10 @@ from .rl_config import (  # noqa: F401
 )
 from .rl_config import check as _check
 from .rl_config import check_budget
-from .rl_update import ActorLoss, Layout, Stats, plan, score_logps, score_values, trpo_update, update_critic, update_policy
+from .rl_update import (
+    ActorLoss, Layout, Stats, behaviour_spread, behaviour_stats, plan, score_logps, score_values, trpo_update, update_critic,
+    update_policy
+)
 
 
 @dataclass
@@ -423,30 +425,6 @@ def _update(run: _Run, cfg: Config, step: int, batch, advantages, returns, old_l
     if skipped:
         run.tracker.write(f"step {step}: {skipped} non-finite update(s) skipped, the weights stay the last good ones")
     return stats, skipped
-
-
-def behaviour_stats(stats: Stats, w: torch.Tensor, over: torch.Tensor, prox_logps, batch: RolloutBatch, *, mode: str
-                    ) -> None:
-    """The behaviour weights over every response token of the batch: their mean and spread, the share
-    capped (truncate) or masked (mask), and actor/behav_kl = mean(log pi_behav - log pi_prox), the k1
-    estimate of KL(pi_behav || pi_prox) from the behaviour policy's own samples."""
-    m = batch.response_mask
-    stats.add_masked("actor/behav_is_mean", w, m)
-    # the spread from the deviations d = w - 1 in float64: E[w^2] - E[w]^2 of weights within 1e-7 of
-    # 1 cancels to float32 noise (a "std" of 3e-4 for weights that differ by 5e-7)
-    d = w.double() - 1.0
-    stats.add_masked("actor/behav_is_dev_mean", d, m)
-    stats.add_masked("actor/behav_is_dev_sq_mean", d * d, m)
-    stats.add_max("actor/behav_is_max", w, m)
-    stats.add_masked(f"actor/behav_is_{'capped' if mode == 'truncate' else 'masked'}_frac", over.float(), m)
-    stats.add_masked("actor/behav_kl", batch.sampling_logps - prox_logps, m)
-
-
-def behaviour_spread(out: dict[str, float]) -> None:
-    """actor/behav_is_std = sqrt(E[d^2] - E[d]^2), d = w - 1, from ``behaviour_stats``'s reduced sums."""
-    if "actor/behav_is_dev_sq_mean" in out:
-        d_mean, d_sq = out.pop("actor/behav_is_dev_mean"), out.pop("actor/behav_is_dev_sq_mean")
-        out["actor/behav_is_std"] = math.sqrt(max(0.0, d_sq - d_mean**2))
 
 
 def batch_flops(shape: ModelFlops, batch: RolloutBatch, layout: Layout, *, head: bool = True) -> float:

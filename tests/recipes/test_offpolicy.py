@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from relign.config import ConfigError, load_config
 from relign.errors import SyncMismatch
-from relign.recipes import rl
+from relign.recipes import rl, rl_update
 from relign.tracking import read_metrics
 
 from ..conftest import run_cli
@@ -99,9 +99,9 @@ def test_behaviour_weight_spread_of_weights_near_one():
     m = (torch.rand(8, 40, generator=g) > 0.3).float()
     stats = Stats()
     batch = SimpleNamespace(response_mask=m, sampling_logps=torch.zeros(8, 40))
-    rl.behaviour_stats(stats, w, torch.zeros_like(w, dtype=torch.bool), torch.zeros(8, 40), batch, mode="truncate")
+    rl_update.behaviour_stats(stats, w, torch.zeros_like(w, dtype=torch.bool), torch.zeros(8, 40), batch, mode="truncate")
     out = stats.reduce()
-    rl.behaviour_spread(out)
+    rl_update.behaviour_spread(out)
     wd = w.double()
     want = _masked_mean((wd - _masked_mean(wd, m)) ** 2, m) ** 0.5
     assert out["actor/behav_is_std"] == pytest.approx(want, rel=1e-3)
