@@ -52,7 +52,7 @@ from ..optim import build_optimizer
 from ..rollout.batch import RolloutBatch, build_batch
 from ..rollout.collect import RolloutCollector
 from ..rollout.engine import Engine
-from ..rollout.queue import RolloutAhead, Sampled, staleness_metrics
+from ..rollout.queue import RolloutAhead, Sampled
 from ..rollout.sync_check import can_check, check_sync, probe_sequences
 from ..rollout.traces import write_traces
 from ..rollout.vine import AdaptiveK, VineEpisode, mc_step_values
@@ -148,7 +148,7 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
         return groups, dict(collector.last)
 
     ahead = RolloutAhead(collect, depth=ro.max_staleness, max_steps=cfg.max_steps, overlap=ro.overlap == "thread",
-                         threads=ro.overlap_threads)
+                         threads=ro.overlap_threads, engine=engine)
     if ckpt is not None:
         tensors, _ = load_checkpoint(ckpt, restore_rng=False)
         engine.load_state_dict(tensors["engine"])
@@ -235,11 +235,10 @@ def train(cfg: Config) -> RunResult:
     # old log-probs needed: several updates per batch, the behaviour correction (pi_prox), the KL in the reward
     reuse = a.ppo_epochs * a.mini_batches > 1 or a.tis_cap > 0 or a.kl == "reward" or ro.max_staleness > 0
     bad_in_a_row, skipped_steps, status, metrics = 0, 0, "completed", {}
-    overlap = ro.overlap == "thread"
     t_train = time.perf_counter()
     try:
         for step in range(r.start + 1, cfg.max_steps + 1):
-            clock = StageClock(STAGES + (("rollout_wait",) if overlap else ()), device)
+            clock = StageClock(STAGES + r.ahead.stages, device)
             version = step - 1  # the updates applied so far: the version of the weights that sample now
             with clock("rollout"):  # 1. batch `step`; batches up to step + s sampled now, or (overlap) from now on
                 sampled = r.ahead.take(step, version)
@@ -250,8 +249,7 @@ def train(cfg: Config) -> RunResult:
                 skipped_steps += 1
                 _skip_step(r, cfg, step, skipped_steps, clock)
                 continue
-            if not overlap:  # the engine is idle until the sync (with overlap it is sampling the next batch)
-                r.engine.sleep()
+            r.ahead.before_update()  # the engine sleeps until the sync, unless it samples the next batch
             batch = _batch(r, a, groups, device)
             micro = plan(batch, torch.arange(batch.size, device=device), r.layout)
             with clock("reference"):  # 2.
@@ -265,35 +263,22 @@ def train(cfg: Config) -> RunResult:
             with clock("update"):  # 6.
                 stats, skipped = _update(r, cfg, step, batch, advantages, returns, old_logps, ref_logps, values)
             bad_in_a_row = bad_in_a_row + skipped if skipped else 0
-            if overlap:
-                with clock("rollout_wait"):  # the next batch must be sampled by the old weights: join before the sync
-                    r.ahead.join()
-            else:
-                r.engine.wake()
+            r.ahead.before_sync(clock)  # the next batch sampled by the old weights (overlap), or the engine awake
             with clock("sync"):  # 7. the HF engine in one process holds the policy's own tensors: nothing is copied
                 r.engine.load_weights(engine_weights(r.engine, r.policy))
                 sync_gap = _sync_check(r, cfg, step)
             metrics = {**_step_metrics(r, groups, batch, rewards, stats, old_logps, clock), **value_stats, **sync_gap}
             metrics.update(trainer_mfu(run, cfg, r, batch, metrics, reference=ref_logps is not None, old=old_logps is not None))
-            if ro.max_staleness > 0:  # the trained batch's own collection, not the one sampled ahead this step
-                metrics.update(staleness_metrics(version, sampled), **{"rollout/rounds": sampled.stats.get("rounds", 1.0)})
+            metrics.update(r.ahead.metrics(version, sampled))  # the trained batch's staleness, where sampled ahead
             if r.evaluator is not None and r.evaluator.due(step, cfg.max_steps):  # held-out accuracy, updated policy
                 metrics.update(r.evaluator(r.engine, step, write=r.tracker.write))
             r.tracker.log(step, metrics)
             if cfg.traces_per_step and distributed.is_main():
                 write_traces(run_dir / "rollouts" / f"step_{step}.jsonl", r.tok, groups, batch, advantages, cfg.traces_per_step)
-            if bad_in_a_row >= cfg.nan_patience:
-                status = "stopped: non-finite updates"
-                r.tracker.write(f"{bad_in_a_row} non-finite updates in a row: saving the last good weights and stopping")
-                save(step)
+            stop = _stop_or_save(r, cfg, step, save, bad_in_a_row=bad_in_a_row, t_train=t_train)
+            if stop:
+                status = stop
                 break
-            if cfg.max_seconds and _out_of_time(t_train, cfg.max_seconds):
-                status = f"stopped: max_seconds={cfg.max_seconds:g} after step {step}"
-                r.tracker.write(f"{status}: saving a checkpoint")
-                save(step)
-                break
-            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
-                save(step)
         else:
             save_final(run_dir, save, total_steps=cfg.max_steps, start_step=r.start, save_final=cfg.checkpoint.save_final)
     finally:
@@ -328,6 +313,21 @@ def _sync_check(run: _Run, cfg: Config, step: int) -> dict[str, float]:
     gap = check_sync(run.engine, run.policy, run.probe, pad_id=run.tok.pad_token_id, tol=cfg.rollout.sync_check_tol,
                      step=step)
     return {"rollout/sync_gap": gap}
+
+
+def _stop_or_save(run: _Run, cfg: Config, step: int, save: Callable[[int], None], *, bad_in_a_row: int,
+                  t_train: float) -> str:
+    """The step's end: the status to stop with ("" to go on), a checkpoint saved when stopping or due."""
+    status = ""
+    if bad_in_a_row >= cfg.nan_patience:
+        status = "stopped: non-finite updates"
+        run.tracker.write(f"{bad_in_a_row} non-finite updates in a row: saving the last good weights and stopping")
+    elif cfg.max_seconds and _out_of_time(t_train, cfg.max_seconds):
+        status = f"stopped: max_seconds={cfg.max_seconds:g} after step {step}"
+        run.tracker.write(f"{status}: saving a checkpoint")
+    if status or (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0):
+        save(step)
+    return status
 
 
 def _out_of_time(t0: float, max_seconds: float) -> bool:

@@ -68,8 +68,10 @@ class RolloutAhead:
     Both sample the same batches with the same weights, so they give the same results.
     """
 
-    def __init__(self, collect, *, depth: int, max_steps: int, overlap: bool = False, threads: int = 0):
+    def __init__(self, collect, *, depth: int, max_steps: int, overlap: bool = False, threads: int = 0, engine=None):
         self.collect, self.depth, self.max_steps, self.overlap = collect, depth, max_steps, overlap
+        self.engine = engine
+        """The engine that samples (``before_update`` / ``before_sync`` put it to sleep and wake it); None: left alone."""
         self.threads = threads
         """Intra-op threads of the background thread (0: torch's default); set in that thread only."""
         self.queue: deque[Sampled] = deque()
@@ -106,6 +108,32 @@ class RolloutAhead:
             raise self._error
         self.queue.extend(self._result)
         self.sampled_now.extend(self._result)
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """The step stages the overlap adds to the clock: rollout_wait, the wait for the next batch."""
+        return ("rollout_wait",) if self.overlap else ()
+
+    def before_update(self) -> None:
+        """The engine sleeps through the update where it is idle (under overlap it samples the next batch)."""
+        if not self.overlap and self.engine is not None:
+            self.engine.sleep()
+
+    def before_sync(self, clock) -> None:
+        """Before the weight sync: under overlap the next batch must have been sampled by the old
+        weights, so wait for it (timed by ``clock("rollout_wait")``); else wake the engine."""
+        if self.overlap:
+            with clock("rollout_wait"):
+                self.join()
+        elif self.engine is not None:
+            self.engine.wake()
+
+    def metrics(self, version: int, sampled: Sampled) -> dict[str, float]:
+        """The trained batch's own collection (not the one sampled ahead this step) where batches are
+        sampled ahead: its staleness and its sampling rounds; none at ``depth`` 0."""
+        if not self.depth:
+            return {}
+        return {**staleness_metrics(version, sampled), "rollout/rounds": sampled.stats.get("rounds", 1.0)}
 
     def _sample(self, n: int, version: int, into: list[Sampled]) -> None:
         for _ in range(n):
