@@ -37,6 +37,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,26 @@ def evaluate(engine, tokenizer, task, records, *, n=1, ks=(1,), temperature=0.0,
     own_pool = pool is None
     pool = pool if pool is not None else RewardPool.from_task(task, num_workers=reward_workers, timeout=reward_timeout)
     stats0 = dict(pool.stats)
+    grade = partial(_grade_problem, ks=ks, extract=extract if voting else None, equal=equal if voting else None,
+                    threshold=correct_threshold)
+    try:
+        rows, per_problem = _sample_and_score(engine, pool, problems, grade, n=n, temperature=temperature, top_p=top_p,
+                                              top_k=top_k, max_new_tokens=max_new_tokens, stop=stop, seed=seed,
+                                              batch_prompts=batch_prompts, progress=progress, desc=desc)
+    finally:
+        stats = dict(pool.stats)
+        if own_pool:
+            pool.close()
+
+    summary = _eval_summary(rows, per_problem, ks, voting=voting, num_problems=len(problems), skipped_long=skipped_long,
+                            stats0=stats0, stats=stats, errors=errors)
+    return summary, rows
+
+
+def _sample_and_score(engine, pool, problems: list[Problem], grade: Callable[..., tuple[list[dict], dict[str, float]]], *,
+                      n: int, temperature: float, top_p: float, top_k: int, max_new_tokens: int, stop: Sequence[str],
+                      seed: int, batch_prompts: int, progress: bool, desc: str) -> tuple[list[dict], list[dict[str, float]]]:
+    """Sample, score and grade ``problems`` batch by batch (batch ``b`` seeded ``seed + b``): (rows, per-problem metrics)."""
     rows: list[dict] = []
     per_problem: list[dict[str, float]] = []
     bar = tqdm(total=len(problems), desc=desc, disable=not progress, dynamic_ncols=True, file=sys.stderr,
@@ -146,19 +167,27 @@ def evaluate(engine, tokenizer, task, records, *, n=1, ks=(1,), temperature=0.0,
             results = pool.score([p.prompt_text for p, _ in flat], [c.text for _, c in flat], [p.extra_info for p, _ in flat],
                                   completion_ids=[c.token_ids for _, c in flat])
             for q, (p, completions) in enumerate(zip(chunk, outs)):
-                scored = results[q * n : (q + 1) * n]
-                problem_rows = [_sample_row(p, j, c, r, extract(c.text, p.extra_info) if voting else None, correct_threshold)
-                                for j, (c, r) in enumerate(zip(completions, scored))]
-                per_problem.append(_problem_metrics(problem_rows, ks, equal if voting else None))
+                problem_rows, metrics = grade(p, completions, results[q * n : (q + 1) * n])
+                per_problem.append(metrics)
                 rows.extend(problem_rows)
             bar.update(len(chunk))
             bar.set_postfix(acc=f"{sum(r['score'] for r in rows) / len(rows):.3f}", refresh=False)
     finally:
         bar.close()
-        stats = dict(pool.stats)
-        if own_pool:
-            pool.close()
+    return rows, per_problem
 
+
+def _grade_problem(problem: Problem, completions, scored, *, ks: list[int], extract: Callable[..., str | None] | None,
+                   equal: Callable[[str, str], bool] | None, threshold: float) -> tuple[list[dict], dict[str, float]]:
+    """One problem's sample rows and its pass@k / maj@k; ``extract`` and ``equal`` are None for a task without votes."""
+    rows = [_sample_row(problem, j, c, r, extract(c.text, problem.extra_info) if extract is not None else None, threshold)
+            for j, (c, r) in enumerate(zip(completions, scored))]
+    return rows, _problem_metrics(rows, ks, equal)
+
+
+def _eval_summary(rows: list[dict], per_problem: list[dict[str, float]], ks: list[int], *, voting: bool, num_problems: int,
+                  skipped_long: int, stats0: dict, stats: dict, errors: dict[str, int]) -> dict[str, float]:
+    """``evaluate``'s summary; the pool's error counts are ``stats`` less ``stats0``: a shared pool counted earlier calls."""
     summary: dict[str, float] = {"accuracy": _mean([r["score"] for r in rows])}
     for k in ks:
         summary[f"pass@{k}"] = _mean([m[f"pass@{k}"] for m in per_problem])
@@ -172,7 +201,7 @@ def evaluate(engine, tokenizer, task, records, *, n=1, ks=(1,), temperature=0.0,
         "length_mean": _mean(lengths),
         "length_max": float(max(lengths)),
         "truncated_frac": _mean([r["finish_reason"] == "length" for r in rows]),
-        "num_problems": float(len(problems)),
+        "num_problems": float(num_problems),
         "num_samples": float(len(rows)),
         "reward_errors": float(stats.get("exceptions", 0) - stats0.get("exceptions", 0)),
         "reward_timeouts": float(stats.get("timeouts", 0) - stats0.get("timeouts", 0)),
@@ -181,7 +210,7 @@ def evaluate(engine, tokenizer, task, records, *, n=1, ks=(1,), temperature=0.0,
     if errors["extract"] or errors["equal"]:
         summary["extract_errors"] = float(errors["extract"])
         summary["equal_errors"] = float(errors["equal"])
-    return summary, rows
+    return summary
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 
-from ..algorithms.scoring import ece, reliability_bins
+from ..algorithms.scoring import Bin, ece, reliability_bins
 from .util import PALETTE
 
 W, H = 620, 430
@@ -54,34 +54,57 @@ def reliability_svg(conf: Sequence[float], correct: Sequence[float], no_answer: 
     kept = reliability_bins([conf[i] for i in answered], [correct[i] for i in answered], bins)
     abstained = n - len(answered)
     total_ece = ece(conf, correct, bins)
-    tallest = max([abstained, *(b.count for b in kept)]) or 1
+    slot = PW / bins  # one bin's width in px, in both panels
+    out = _header(n, abstained, total_ece, standalone)
+    out += _accuracy_axes()
+    out += _accuracy_marks(kept, slot)
+    out += _count_strip(kept, abstained, slot)
+    out += _legend(abstained)
+    out.append("</svg>")
+    return "".join(out) + ("\n" if standalone else "")
 
-    def px(c: float) -> float:
-        return X0 + c * PW
 
-    def py(a: float) -> float:
-        return Y0 + (1 - a) * PH
+def _px(c: float) -> float:
+    """The x of confidence ``c``."""
+    return X0 + c * PW
 
+
+def _py(a: float) -> float:
+    """The y of accuracy ``a`` in the accuracy panel."""
+    return Y0 + (1 - a) * PH
+
+
+def _header(n: int, abstained: int, total_ece: float, standalone: bool) -> list[str]:
+    """The ``<svg>`` opening tag, the white background and the title with the ECE over every sample."""
     ns = ' xmlns="http://www.w3.org/2000/svg"' if standalone else ""
     title = (f"ECE {total_ece:.3f} over {n} samples" + (f", {abstained} without an answer" if abstained else "")
              if n else "no samples")
-    out = [f'<svg{ns} class="reliability" viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img" '
-           f'aria-label="Reliability diagram: {html.escape(title)}">',
-           f'<rect x="0" y="0" width="{W}" height="{H}" fill="#ffffff"/>',
-           _text(16, 20, f"Reliability diagram: {title}", size=13, fill=INK, cls="rd-title", extra=' font-weight="600"')]
-    # the accuracy panel: grid, ticks, the diagonal
+    return [f'<svg{ns} class="reliability" viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img" '
+            f'aria-label="Reliability diagram: {html.escape(title)}">',
+            f'<rect x="0" y="0" width="{W}" height="{H}" fill="#ffffff"/>',
+            _text(16, 20, f"Reliability diagram: {title}", size=13, fill=INK, cls="rd-title", extra=' font-weight="600"')]
+
+
+def _accuracy_axes() -> list[str]:
+    """The accuracy panel: grid, ticks, the frame and the two axis labels."""
+    out = []
     for k in range(6):
         v = k / 5
-        out.append(f'<line x1="{X0}" x2="{X0 + PW}" y1="{py(v):.1f}" y2="{py(v):.1f}" stroke="{GRID}" stroke-width="0.6"/>')
-        out.append(_text(X0 - 6, py(v) + 3.5, f"{v:.1f}", anchor="end", cls="rd-tick"))
-        out.append(_text(px(v), Y0 + PH + 18, f"{v:.1f}", anchor="middle", cls="rd-tick"))
+        out.append(f'<line x1="{X0}" x2="{X0 + PW}" y1="{_py(v):.1f}" y2="{_py(v):.1f}" stroke="{GRID}" stroke-width="0.6"/>')
+        out.append(_text(X0 - 6, _py(v) + 3.5, f"{v:.1f}", anchor="end", cls="rd-tick"))
+        out.append(_text(_px(v), Y0 + PH + 18, f"{v:.1f}", anchor="middle", cls="rd-tick"))
     out.append(f'<rect class="rd-frame" x="{X0}" y="{Y0}" width="{PW}" height="{PH}" fill="none" stroke="{MUTED}" '
                'stroke-width="0.8"/>')
     out.append(_text(20, Y0 + PH / 2, "accuracy of the bin", anchor="middle", cls="rd-axis",
                      extra=f' transform="rotate(-90 20 {Y0 + PH / 2:.1f})"'))
     out.append(_text(X0 + PW / 2, Y0 + PH + 34, "stated confidence of the reader's top answer", anchor="middle",
                      cls="rd-axis"))
-    slot = PW / bins
+    return out
+
+
+def _accuracy_marks(kept: Sequence[Bin], slot: float) -> list[str]:
+    """Each non-empty bin's accuracy bar, then the diagonal over the bars, then the confidence dots on top."""
+    out = []
     for b in kept:
         if not b.count:
             continue
@@ -89,34 +112,44 @@ def reliability_svg(conf: Sequence[float], correct: Sequence[float], no_answer: 
                f"mean stated confidence {b.confidence:.3f}")
         data = (f'data-lo="{b.lo:.2f}" data-hi="{b.hi:.2f}" data-count="{b.count}" data-accuracy="{b.accuracy!r}" '
                 f'data-confidence="{b.confidence!r}"')
-        out.append(f'<rect class="rd-bar" x="{px(b.lo) + 1:.1f}" y="{py(b.accuracy):.1f}" width="{slot - 2:.1f}" '
+        out.append(f'<rect class="rd-bar" x="{_px(b.lo) + 1:.1f}" y="{_py(b.accuracy):.1f}" width="{slot - 2:.1f}" '
                    f'height="{PH * b.accuracy:.1f}" fill="{ACC}" fill-opacity="0.55" {data}>'
                    f"<title>{html.escape(tip)}</title></rect>")
-    out.append(f'<line class="rd-diagonal" x1="{px(0)}" y1="{py(0)}" x2="{px(1)}" y2="{py(1)}" stroke="{INK}" '
+    out.append(f'<line class="rd-diagonal" x1="{_px(0)}" y1="{_py(0)}" x2="{_px(1)}" y2="{_py(1)}" stroke="{INK}" '
                'stroke-width="1" stroke-dasharray="4 3"/>')
     for b in kept:
         if b.count:
-            out.append(f'<circle class="rd-dot" cx="{px(b.confidence):.1f}" cy="{py(b.accuracy):.1f}" r="3.5" fill="{DOT}" '
+            out.append(f'<circle class="rd-dot" cx="{_px(b.confidence):.1f}" cy="{_py(b.accuracy):.1f}" r="3.5" fill="{DOT}" '
                        f'data-count="{b.count}" data-confidence="{b.confidence!r}" data-accuracy="{b.accuracy!r}"/>')
-    # the count strip: samples per bin, then the abstentions apart
-    out.append(f'<line x1="{X0}" x2="{ABSTAIN_X + slot}" y1="{CB}" y2="{CB}" stroke="{MUTED}" stroke-width="0.8"/>')
-    out.append(_text(X0 - 6, CB - CH / 2 + 3.5, "samples", anchor="end", cls="rd-axis"))
+    return out
 
-    def count_bar(x: float, count: int, fill: str, cls: str, data: str, tip: str) -> None:
-        h = CH * count / tallest
-        out.append(f'<rect class="{cls}" x="{x + 1:.1f}" y="{CB - h:.1f}" width="{slot - 2:.1f}" height="{h:.1f}" '
-                   f'fill="{fill}" {data}><title>{html.escape(tip)}</title></rect>')
-        out.append(_text(x + slot / 2, CB - h - 3, str(count), size=9, anchor="middle", cls="rd-count-label"))
 
+def _count_strip(kept: Sequence[Bin], abstained: int, slot: float) -> list[str]:
+    """The count strip: samples per bin, then the abstentions apart, all to the scale of the tallest."""
+    tallest = max([abstained, *(b.count for b in kept)]) or 1
+    out = [f'<line x1="{X0}" x2="{ABSTAIN_X + slot}" y1="{CB}" y2="{CB}" stroke="{MUTED}" stroke-width="0.8"/>',
+           _text(X0 - 6, CB - CH / 2 + 3.5, "samples", anchor="end", cls="rd-axis")]
     for b in kept:
         if b.count:
-            count_bar(px(b.lo), b.count, ACC, "rd-count", f'data-lo="{b.lo:.2f}" data-count="{b.count}"',
-                      f"{b.lo:.1f}-{b.hi:.1f}: {b.count} samples")
+            out += _count_bar(_px(b.lo), b.count, tallest, slot, ACC, "rd-count",
+                              f'data-lo="{b.lo:.2f}" data-count="{b.count}"', f"{b.lo:.1f}-{b.hi:.1f}: {b.count} samples")
     if abstained:
-        count_bar(ABSTAIN_X, abstained, NONE, "rd-abstain", f'data-count="{abstained}"',
-                  f"{abstained} samples without an answer: confidence 1 and wrong in the ECE")
+        out += _count_bar(ABSTAIN_X, abstained, tallest, slot, NONE, "rd-abstain", f'data-count="{abstained}"',
+                          f"{abstained} samples without an answer: confidence 1 and wrong in the ECE")
     out.append(_text(ABSTAIN_X + slot / 2, CB + 13, "no answer", size=9, anchor="middle", cls="rd-abstain-label"))
-    # the legend beside the plot, one line of text per row
+    return out
+
+
+def _count_bar(x: float, count: int, tallest: int, slot: float, fill: str, cls: str, data: str, tip: str) -> list[str]:
+    """One bar of the count strip at ``x``, ``count`` high against ``tallest``, with its count above it."""
+    h = CH * count / tallest
+    return [f'<rect class="{cls}" x="{x + 1:.1f}" y="{CB - h:.1f}" width="{slot - 2:.1f}" height="{h:.1f}" '
+            f'fill="{fill}" {data}><title>{html.escape(tip)}</title></rect>',
+            _text(x + slot / 2, CB - h - 3, str(count), size=9, anchor="middle", cls="rd-count-label")]
+
+
+def _legend(abstained: int) -> list[str]:
+    """The legend beside the plot, one line of text per row."""
     marks = {
         "bar": lambda y: f'<rect x="{LEGEND_X}" y="{y - 8}" width="12" height="9" fill="{ACC}" fill-opacity="0.55"/>',
         "dot": lambda y: f'<circle cx="{LEGEND_X + 6}" cy="{y - 4}" r="3.5" fill="{DOT}"/>',
@@ -124,6 +157,7 @@ def reliability_svg(conf: Sequence[float], correct: Sequence[float], no_answer: 
                                'stroke-dasharray="4 3"/>'),
         "abstain": lambda y: f'<rect x="{LEGEND_X}" y="{y - 8}" width="12" height="9" fill="{NONE}"/>',
     }
+    out = []
     y = Y0 + 10
     for mark, lines in (("bar", ["accuracy of the bin"]), ("dot", ["mean stated confidence"]), ("diagonal", ["calibrated"]),
                         ("abstain", [f"no answer: {abstained}", "in the ECE as", "confidence 1, wrong"])):
@@ -131,8 +165,7 @@ def reliability_svg(conf: Sequence[float], correct: Sequence[float], no_answer: 
         for line in lines:
             out.append(_text(LEGEND_X + 18, y, line, size=11, fill=INK, cls="rd-legend"))
             y += 18
-    out.append("</svg>")
-    return "".join(out) + ("\n" if standalone else "")
+    return out
 
 
 __all__ = ["reliability_svg"]
