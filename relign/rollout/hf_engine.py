@@ -423,6 +423,8 @@ class HFEngine(Engine):
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, n: int, gen,
                         seeds: list[int] | None, weights: Weights | None) -> list[Completion]:
+        """``n`` completions of each prompt: the prefill, the decode buffers filled from it, the first
+        sample from its logits, then the decode loop."""
         dev, P, T = self.device, len(prompts), params.max_new_tokens
         if T <= 0:  # nothing to sample (and no prefill to pay for)
             return [self._completion([], [], "length", None, []) for _ in range(P * n)]
@@ -436,41 +438,9 @@ class HFEngine(Engine):
         # batch position -> prompt; rows past R fill the bucket: copies of the first, masked out below
         rep = torch.arange(P, device=dev).repeat_interleave(n)
         rep = torch.cat([rep, rep.new_zeros(Rb - R)])
-        uniforms = None
-        if params.temperature > 0 and seeds is not None:  # per-row streams: row r's t-th uniform is fixed by its seed
-            uniforms = self._row_uniforms(seeds, n, T)
-        elif params.temperature > 0 and static:  # the call's draws at once: a step draws nothing
-            uniforms = torch.rand(R, T, generator=gen, device=dev)
-        stop_ids = set() if params.ignore_eos else set(self.eos_ids)
-        stop_ids.update(params.stop_token_ids)
-        ban = params.min_new_tokens > 0 and bool(stop_ids)
-        sampler = _Sampler(params.temperature, params.top_k, params.top_p, ban, uniforms is not None,
-                           None if uniforms is not None else gen)
-
-        slot = None
-        if static:  # the bucket's kept buffers, filled from the prefill
-            # + 4: room for a capture's warm-up steps
-            slot = self._slot(Rb, self.plan.capacity(Lp + T + 4), cache.layers[0].k_buf.dtype)
-            rows, kv = slot.rows, slot.kv
-            kv.fill([x.k_buf for x in cache.layers], [x.v_buf for x in cache.layers], rep, attn.index_select(0, rep).bool())
-        else:
-            rows = _Rows(Rb, T, logits.shape[-1], dev)
-            if n > 1:  # one prefill per prompt, then n copies of its cache
-                cache.batch_repeat_interleave(n)
-            if fast:
-                cap = cache.layers[0].k_buf.shape[2]
-                ok = torch.cat([attn.bool(), attn.new_ones((P, cap - Lp), dtype=torch.bool)], dim=-1).index_select(0, rep)
-                kv = StaticKV([x.k_buf for x in cache.layers], [x.v_buf for x in cache.layers], ok,
-                              torch.tensor([Lp], device=dev))
-            else:
-                kv = _ForwardKV(self, cache, attn.index_select(0, rep))
-        rows.pos[:Rb].copy_(next_pos.index_select(0, rep))
-        rows.t.zero_()
-        if uniforms is not None:
-            rows.U[:R, :T].copy_(uniforms)
-        if ban:
-            rows.ban.zero_().index_fill_(0, torch.tensor(sorted(stop_ids), device=dev), True)
-            rows.min_new.fill_(params.min_new_tokens)
+        sampler, uniforms, stop_ids = self._chunk_sampler(params, seeds, n, R, gen, static)
+        slot, rows, kv = self._decode_buffers(cache, attn, rep, n, T, logits.shape[-1], static, fast)
+        self._start_rows(rows, next_pos, rep, uniforms, stop_ids, params.min_new_tokens, sampler)
         del cache  # the decode step writes into ``kv`` from here on
         self._sample_into(rows, logits.index_select(0, rep), sampler)  # the first token, from the prefill's logits
         if self._peaks is not None and dev.type == "cuda":
@@ -478,6 +448,68 @@ class HFEngine(Engine):
         start = time.perf_counter()
 
         stops = [s for s in params.stop if s]
+        tokens_out, logps_out, finish, reason = self._decode(slot, rows, kv, weights, sampler, Lp, R, Rb, T, static,
+                                                             stop_ids, stops, params.min_new_tokens)
+        if self._peaks is not None and weights is not None:
+            self._count_perf(time.perf_counter() - start, [len(p) for p in prompts for _ in range(n)],
+                             [len(x) for x in tokens_out], weights)
+        return [self._completion(tokens_out[r], logps_out[r], finish[r] or "length", reason[r], stops) for r in range(R)]
+
+    def _chunk_sampler(self, params: SamplingParams, seeds: list[int] | None, n: int, R: int, gen, static: bool
+                       ) -> tuple[_Sampler, torch.Tensor | None, set[int]]:
+        """The chunk's (sampler, uniforms [R, T] or None, stop token ids); the uniforms are drawn here."""
+        uniforms = None
+        if params.temperature > 0 and seeds is not None:  # per-row streams: row r's t-th uniform is fixed by its seed
+            uniforms = self._row_uniforms(seeds, n, params.max_new_tokens)
+        elif params.temperature > 0 and static:  # the call's draws at once: a step draws nothing
+            uniforms = torch.rand(R, params.max_new_tokens, generator=gen, device=self.device)
+        stop_ids = set() if params.ignore_eos else set(self.eos_ids)
+        stop_ids.update(params.stop_token_ids)
+        ban = params.min_new_tokens > 0 and bool(stop_ids)
+        sampler = _Sampler(params.temperature, params.top_k, params.top_p, ban, uniforms is not None,
+                           None if uniforms is not None else gen)
+        return sampler, uniforms, stop_ids
+
+    def _decode_buffers(self, cache: DynamicCache, attn: torch.Tensor, rep: torch.Tensor, n: int, T: int, V: int,
+                        static: bool, fast: bool) -> tuple[_Slot | None, _Rows, StaticKV | _ForwardKV]:
+        """(slot, rows, kv) of the decode, batch position b from prompt ``rep[b]``: under static shapes the
+        bucket's kept buffers, filled from the prefill's ``cache``; else fresh rows over the cache itself."""
+        dev, (P, Lp), Rb = self.device, attn.shape, rep.shape[0]
+        if static:  # the bucket's kept buffers, filled from the prefill
+            # + 4: room for a capture's warm-up steps
+            slot = self._slot(Rb, self.plan.capacity(Lp + T + 4), cache.layers[0].k_buf.dtype)
+            slot.kv.fill([x.k_buf for x in cache.layers], [x.v_buf for x in cache.layers], rep,
+                         attn.index_select(0, rep).bool())
+            return slot, slot.rows, slot.kv
+        rows = _Rows(Rb, T, V, dev)
+        if n > 1:  # one prefill per prompt, then n copies of its cache
+            cache.batch_repeat_interleave(n)
+        if fast:
+            cap = cache.layers[0].k_buf.shape[2]
+            ok = torch.cat([attn.bool(), attn.new_ones((P, cap - Lp), dtype=torch.bool)], dim=-1).index_select(0, rep)
+            kv = StaticKV([x.k_buf for x in cache.layers], [x.v_buf for x in cache.layers], ok,
+                          torch.tensor([Lp], device=dev))
+        else:
+            kv = _ForwardKV(self, cache, attn.index_select(0, rep))
+        return None, rows, kv
+
+    def _start_rows(self, rows: _Rows, next_pos: torch.Tensor, rep: torch.Tensor, uniforms: torch.Tensor | None,
+                    stop_ids: set[int], min_new: int, sampler: _Sampler) -> None:
+        """Each row's state before its first sample: its next position, its uniforms, the stop ids' ban."""
+        rows.pos[: rep.shape[0]].copy_(next_pos.index_select(0, rep))
+        rows.t.zero_()
+        if uniforms is not None:
+            R, T = uniforms.shape
+            rows.U[:R, :T].copy_(uniforms)
+        if sampler.ban:
+            rows.ban.zero_().index_fill_(0, torch.tensor(sorted(stop_ids), device=self.device), True)
+            rows.min_new.fill_(min_new)
+
+    def _decode(self, slot: _Slot | None, rows: _Rows, kv, weights: Weights | None, sampler: _Sampler, Lp: int,
+                R: int, Rb: int, T: int, static: bool, stop_ids: set[int], stops: list[str], min_new: int
+                ) -> tuple[list[list[int]], list[list[float]], list[str | None], list[str | int | None]]:
+        """The decode loop after the first sample: (tokens, log-probs, finish, reason) of each row. The
+        host reads the samples every ``plan.read_every`` steps, then drops the finished rows once enough are."""
         tail = max((len(s) for s in stops), default=0) + 8
         ids = list(range(R)) + [-1] * (Rb - R)  # batch position -> row id (-1: a filler)
         tokens_out: list[list[int]] = [[] for _ in range(R)]
@@ -493,7 +525,7 @@ class HFEngine(Engine):
                 for b, r in enumerate(ids):
                     if r >= 0 and finish[r] is None:
                         self._take(r, read, block[0][b], block[1][b], tokens_out, logps_out, finish, reason, stop_ids,
-                                   stops, tail, params.min_new_tokens, made == T)
+                                   stops, tail, min_new, made == T)
                 read = made
                 alive = [b for b, r in enumerate(ids) if r >= 0 and finish[r] is None]
                 if made == T or not alive:
@@ -507,10 +539,7 @@ class HFEngine(Engine):
                         step = self._stepper(slot, rows, kv, weights, sampler, Lp)
             step(made)  # one decode step: sample ``made``
             made += 1
-        if self._peaks is not None and weights is not None:
-            self._count_perf(time.perf_counter() - start, [len(p) for p in prompts for _ in range(n)],
-                             [len(x) for x in tokens_out], weights)
-        return [self._completion(tokens_out[r], logps_out[r], finish[r] or "length", reason[r], stops) for r in range(R)]
+        return tokens_out, logps_out, finish, reason
 
     def _take(self, r: int, t0: int, toks: list[float], lps: list[float], tokens_out, logps_out, finish, reason,
               stop_ids: set[int], stops: list[str], tail: int, min_new: int, last: bool) -> None:

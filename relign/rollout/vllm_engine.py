@@ -159,6 +159,49 @@ def start_failure(key: str, model_path: str, error: Exception, hint: str) -> str
     return f"{key}=vllm: vLLM could not start on {model_path}: {type(error).__name__}: {first}; {hint}"
 
 
+def _check_settings(s: VllmConfig, vkey: str, on_cpu: bool) -> int:
+    """Refuse the settings this process cannot run (``vkey``: where they live); returns the world size."""
+    if on_cpu and s.tensor_parallel_size != 1:
+        raise ConfigError(f"{vkey}.tensor_parallel_size={s.tensor_parallel_size}: tensor parallelism needs GPUs; "
+                          "use 1 on CPU")
+    if s.sleep_level not in (1, 2):
+        raise ConfigError(f"bad value for '{vkey}.sleep_level': {s.sleep_level}; use 1 or 2")
+    world = distributed.world_size()
+    if world > 1 and s.tensor_parallel_size != 1:
+        raise ConfigError(f"{vkey}.tensor_parallel_size > 1 under torchrun is not supported: each rank runs its own engine")
+    return world
+
+
+def _llm_kwargs(model_path: str, s: VllmConfig, *, tokenizer_path: str, dtype: torch.dtype, max_model_len: int,
+                max_num_seqs: int, seed: int, trust_remote_code: bool, load_format: str, world: int, on_cpu: bool
+                ) -> dict:
+    """The arguments of ``vllm.LLM``: the engine's settings, the KV cache sized on CPU."""
+    kwargs: dict = dict(
+        model=model_path, tokenizer=tokenizer_path or model_path, dtype=str(dtype).removeprefix("torch."),
+        max_model_len=max_model_len, enforce_eager=s.enforce_eager, seed=seed, max_num_seqs=max_num_seqs,
+        logprobs_mode="processed_logprobs",  # log-softmax(logits / T): what the trainer recomputes
+        enable_prefix_caching=True, load_format=load_format, trust_remote_code=trust_remote_code,
+        generation_config="vllm",  # no sampling defaults from the model's generation_config.json
+        tensor_parallel_size=s.tensor_parallel_size,
+        # one engine per rank (the trainer's group already exists, vLLM adopts it); on GPU the
+        # external launcher puts each rank's engine on its LOCAL_RANK device
+        distributed_executor_backend="external_launcher" if world > 1 and not on_cpu else "uni",
+    )
+    if s.kv_cache_gb > 0:
+        kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_gb * 2**30)
+    if on_cpu:
+        if s.kv_cache_gb <= 0:  # vLLM's default reserves a fraction of *system* RAM: size it from the need
+            from transformers import AutoConfig
+
+            per_token = kv_bytes_per_token(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code), dtype)
+            kwargs["kv_cache_memory_bytes"] = int(min(max(per_token * max_num_seqs * max_model_len, 64 * 2**20), 4 * 2**30))
+        # seeded sampling + a chunked prefill kills the CPU engine in 0.32: every prefill in one step
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 16384))
+    else:
+        kwargs.update(gpu_memory_utilization=s.gpu_memory_utilization, enable_sleep_mode=True)
+    return kwargs
+
+
 def _fingerprint(worker) -> dict | None:
     """The weight fingerprint (rollout/fingerprint.py) of what the engine computes with; None where it
     cannot be read back (a quantized model, tensor parallel shards, 3-D expert weights).
@@ -224,45 +267,24 @@ class VLLMEngine(Engine):
         self.eos_ids = sorted(set(eos_token_ids))
         self.on_cpu = current_platform.is_cpu()
         self.sleep_level, self.asleep, self.weights_stale = s.sleep_level, False, False
-        if self.on_cpu and s.tensor_parallel_size != 1:
-            raise ConfigError(f"{vkey}.tensor_parallel_size={s.tensor_parallel_size}: tensor parallelism needs GPUs; "
-                              "use 1 on CPU")
-        if s.sleep_level not in (1, 2):
-            raise ConfigError(f"bad value for '{vkey}.sleep_level': {s.sleep_level}; use 1 or 2")
-        world = distributed.world_size()
-        if world > 1 and s.tensor_parallel_size != 1:
-            raise ConfigError(f"{vkey}.tensor_parallel_size > 1 under torchrun is not supported: each rank runs its own engine")
+        world = _check_settings(s, vkey, self.on_cpu)
         check_architecture(model_path, trust_remote_code=trust_remote_code, key=key)
-        kwargs: dict = dict(
-            model=model_path, tokenizer=tokenizer_path or model_path, dtype=str(dtype).removeprefix("torch."),
-            max_model_len=max_model_len, enforce_eager=s.enforce_eager, seed=seed, max_num_seqs=max_num_seqs,
-            logprobs_mode="processed_logprobs",  # log-softmax(logits / T): what the trainer recomputes
-            enable_prefix_caching=True, load_format=load_format, trust_remote_code=trust_remote_code,
-            generation_config="vllm",  # no sampling defaults from the model's generation_config.json
-            tensor_parallel_size=s.tensor_parallel_size,
-            # one engine per rank (the trainer's group already exists, vLLM adopts it); on GPU the
-            # external launcher puts each rank's engine on its LOCAL_RANK device
-            distributed_executor_backend="external_launcher" if world > 1 and not self.on_cpu else "uni",
-        )
-        if s.kv_cache_gb > 0:
-            kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_gb * 2**30)
-        if self.on_cpu:
-            if s.kv_cache_gb <= 0:  # vLLM's default reserves a fraction of *system* RAM: size it from the need
-                from transformers import AutoConfig
-
-                per_token = kv_bytes_per_token(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code), dtype)
-                kwargs["kv_cache_memory_bytes"] = int(min(max(per_token * max_num_seqs * max_model_len, 64 * 2**20), 4 * 2**30))
-            # seeded sampling + a chunked prefill kills the CPU engine in 0.32: every prefill in one step
-            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 16384))
-        else:
-            kwargs.update(gpu_memory_utilization=s.gpu_memory_utilization, enable_sleep_mode=True)
+        kwargs = _llm_kwargs(model_path, s, tokenizer_path=tokenizer_path, dtype=dtype, max_model_len=max_model_len,
+                             max_num_seqs=max_num_seqs, seed=seed, trust_remote_code=trust_remote_code,
+                             load_format=load_format, world=world, on_cpu=self.on_cpu)
         self.kv_cache_bytes = kwargs.get("kv_cache_memory_bytes", 0)
+        self._start(vllm, kwargs, model_path)
+        self._announce(vllm, current_platform, max_num_seqs)
+
+    def _start(self, vllm, kwargs: dict, model_path: str) -> None:
+        """Build ``vllm.LLM(**kwargs)`` and warm it up; a start that raises or dies natively ends in one line."""
         # vLLM seeds the global RNGs and disables torch.set_num_threads: the trainer keeps its own
         rng = (torch.get_rng_state(), np.random.get_state(), random.getstate())
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         set_threads, threads = torch.set_num_threads, torch.get_num_threads()
         t0 = time.perf_counter()
         request_amx()
+        key = self.key
         hint = f"try {key}=hf, or VLLM_LOGGING_LEVEL=INFO to see vLLM's own log"
         with last_words(f"{key}=vllm: the process died inside vLLM's start on {model_path}, with no Python error "
                         f"(a native crash: SIGILL, SIGSEGV, or killed for memory); {hint}"):
@@ -283,7 +305,9 @@ class VLLMEngine(Engine):
             self.startup_s = time.perf_counter() - t0
             self.last_sync_s = 0.0
             self._warm_up(model_path, hint)
-        # what vLLM itself runs (its model config, not what was asked), without its INFO log
+
+    def _announce(self, vllm, current_platform, max_num_seqs: int) -> None:
+        """One line on what vLLM itself runs (its model config, not what was asked), without its INFO log."""
         mc = self.llm.model_config
         kv = f", KV cache {self.kv_cache_bytes / 2**20:,.0f} MiB" if self.kv_cache_bytes else ""
         if distributed.is_main():  # on stderr, beside the start banner and the progress bars
