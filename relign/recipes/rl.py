@@ -31,6 +31,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -102,8 +103,40 @@ class _Run:
     """The sync check's fixed sequences (None: the engine holds the policy's own tensors, or the check is off)."""
 
 
-def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
-    a, ro, m, t = cfg.algorithm, cfg.rollout, cfg.model, cfg.task
+@dataclass
+class RLState:
+    """What an RL checkpoint holds beyond the frame's (weights, optimizer, schedule, sampler): the
+    engine's random stream, the batches in flight (rollout.max_staleness) and the critic with its
+    optimizer. One object saves it (``save``, the frame saver's ``extra``) and loads it (``load``)."""
+
+    engine: Engine
+    ahead: RolloutAhead
+    critic: ValueModel | None = None
+    critic_opt: torch.optim.Optimizer | None = None
+
+    def load(self, ckpt: Path) -> None:
+        tensors, _ = load_checkpoint(ckpt, restore_rng=False)
+        self.engine.load_state_dict(tensors["engine"])
+        self.ahead.load(tensors.get("rollout_queue", []))  # the batches that were in flight
+        if self.critic is not None:
+            restore_optimizer(self.critic, self.critic_opt, tensors["critic_optimizer"])
+
+    def save(self) -> tuple[dict, dict]:
+        """(tensors, models) for ``frame.saver``: collectives under FSDP (the critic's gather)."""
+        tensors, models = {"engine": self.engine.state_dict()}, {}
+        if self.ahead.depth > 0:
+            tensors["rollout_queue"] = self.ahead.state()
+        if self.critic is not None:
+            critic_sd, tensors["critic_optimizer"] = gather_train_state(self.critic, self.critic_opt)
+            models["critic"] = (self.critic, critic_sd)
+        return tensors, models
+
+
+def _resolve(cfg: Config):
+    """What the config leaves to the task, settled before any model loads: the task itself, its
+    environment, ``rollout.max_turns=0`` (the environment's own turn limit, a GEM game's), the
+    advantage estimator (checked against the task) and the step delimiter (VinePPO)."""
+    a, ro, t = cfg.algorithm, cfg.rollout, cfg.task
     task = build.task_for(t)
     env = t.env or task.env or ""
     check_eval_during_training(cfg.eval, task=t.name, env=env)
@@ -116,6 +149,23 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
     delimiter = cfg.vine.delimiter or task.step_delimiter or ""
     if estimator.check_task is not None:
         estimator.check_task(task.name, env, delimiter)
+    return task, estimator, delimiter
+
+
+def _layout(cfg: Config, model, device, *, pack: bool, share: bool) -> Layout:
+    """The update's micro-batch layout: packed, shared or padded rows, in passes of a token budget
+    sized for the device, each row at most the longest prompt and response (varlen's constant bound)."""
+    ro, t = cfg.rollout, cfg.task
+    budget = device_tokens(cfg.max_tokens_per_micro, model, device, cpu=CPU_TOKENS,
+                           checkpointing=cfg.model.gradient_checkpointing)
+    return Layout("packed" if pack else ("shared" if share else "padded"), group_size=ro.n if share else 1,
+                  max_tokens=budget, max_rows=cfg.micro_batch_size,
+                  max_length=t.max_prompt_length + (ro.max_response_tokens or ro.max_new_tokens * ro.max_turns))
+
+
+def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
+    a, ro, m, t = cfg.algorithm, cfg.rollout, cfg.model, cfg.task
+    task, estimator, delimiter = _resolve(cfg)
     # ---- models: weights (a resumed run's) are loaded before sharding and before the engine's replica
     tok = load_model_tokenizer(m)
     if rundir.dry_run_requested():  # count the prompts and the parameters without reading any weights, and stop
@@ -149,23 +199,16 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
 
     ahead = RolloutAhead(collect, depth=ro.max_staleness, max_steps=cfg.max_steps, overlap=ro.overlap == "thread",
                          threads=ro.overlap_threads, engine=engine)
+    state = RLState(engine, ahead, critic, critic_opt)
     if ckpt is not None:
-        tensors, _ = load_checkpoint(ckpt, restore_rng=False)
-        engine.load_state_dict(tensors["engine"])
-        ahead.load(tensors.get("rollout_queue", []))  # the batches that were in flight
-        if critic is not None:
-            restore_optimizer(critic, critic_opt, tensors["critic_optimizer"])
+        state.load(ckpt)
     evaluator = None
     if cfg.eval.every and distributed.is_main():  # held-out accuracy through the engine (rank 0)
         evaluator = build.evaluator_for(cfg.eval, t, ro, tok, run.run_dir, seed=cfg.seed)
     tracker = frame.tracker(run, tr, desc="rl", total_steps=cfg.max_steps,
                             bar_keys=("reward/mean", "reward/score", "actor/kl", "response/length_mean", "perf/tokens_per_s",
                                       "perf/mfu"))
-    kind = "packed" if pack else ("shared" if share else "padded")
-    # passes of a token budget sized for the device; the longest row any pass holds (varlen's constant bound)
-    budget = device_tokens(cfg.max_tokens_per_micro, tr.model, run.device, cpu=CPU_TOKENS, checkpointing=m.gradient_checkpointing)
-    layout = Layout(kind, group_size=ro.n if share else 1, max_tokens=budget, max_rows=cfg.micro_batch_size,
-                    max_length=t.max_prompt_length + (ro.max_response_tokens or ro.max_new_tokens * ro.max_turns))
+    layout = _layout(cfg, tr.model, run.device, pack=pack, share=share)
     loss_fn = actor_loss(a, collector.max_response_tokens)
     options = AdvantageOptions(ro.n, a.scale_rewards, a.gamma, a.lam, a.whiten_advantages)
     probe = None
@@ -174,17 +217,7 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
     r = _Run(tok, tr.model, ref, critic, engine, collector, tr.sampler, tr.optimizer, tr.scheduler, critic_opt, layout,
              loss_fn, estimator, options, tracker, evaluator, tr.start, ahead, delimiter, probe)
     _sync_check(r, cfg, tr.start)  # the weights the engine starts from (vLLM's first push): wrong ones cost no step
-
-    def extra() -> tuple[dict, dict]:  # the engine's random stream, the batches in flight, the critic and its optimizer
-        tensors, models = {"engine": engine.state_dict()}, {}
-        if ro.max_staleness > 0:
-            tensors["rollout_queue"] = ahead.state()
-        if critic is not None:
-            critic_sd, tensors["critic_optimizer"] = gather_train_state(critic, critic_opt)  # collectives under FSDP
-            models["critic"] = (critic, critic_sd)
-        return tensors, models
-
-    return r, frame.saver(run, tr, tok, extra=extra)
+    return r, frame.saver(run, tr, tok, extra=state.save)
 
 
 def actor_loss(a: AlgorithmConfig, max_len: int) -> ActorLoss:
