@@ -144,6 +144,74 @@ def _append(e: Episode, ids: list[int], mask: int, logps: list[float]) -> None:
     e.token_rewards += [0.0] * len(ids)
 
 
+def _model_turn(engine, tokenizer, episodes, states, live, budget, turn_params, turn, n, seeds) -> list[tuple]:
+    """One completion per live episode, its model tokens appended (cut at the episode's budget);
+    returns the env's jobs ``(state, action, extra_info)``."""
+    inputs = [episodes[i].prompt_ids + episodes[i].response_ids for i in live]
+    room = min(turn_params.max_new_tokens, max(budget[i] for i in live))
+    p = SamplingParams(**{**turn_params.__dict__, "max_new_tokens": room})
+    outs = _generate_turn(engine, inputs, p, turn, live, n, seeds)
+    jobs = []
+    for i, group in zip(live, outs):
+        c = group[0]
+        ids = c.token_ids[: budget[i]]
+        e = episodes[i]
+        _append(e, ids, 1, c.logps[: len(ids)])
+        e.turns += 1
+        jobs.append((states[i], tokenizer.decode(ids), e.extra_info))
+        if len(ids) >= budget[i] and (c.finish_reason == "length" or len(c.token_ids) > len(ids)):
+            e.finish_reason = "length"
+    return jobs
+
+
+def _env_turn(env, tokenizer, e: Episode, job, result, max_response_tokens: int,
+              turn: int, prompt: int, sample: int) -> tuple[str, bool]:
+    """One episode's step result applied (reward, observation tokens, finish reason); returns the
+    episode's state after it and whether the episode is still live. ``turn`` counts from 1."""
+    (state, action, _), (res, error) = job, result
+    if error is not None:
+        # the tool failed: this turn earns 0 and the episode ends where the model left it
+        e.env_errors += 1
+        return state + action, False
+    try:
+        out, appended = check_step_result(res, state, action)
+    except EnvError as err:
+        raise _contract_error(env, err, res, turn, prompt, sample) from err
+    e.reward += out["reward"]
+    e.score = out["score"]
+    last_model = next((j for j in range(len(e.response_mask) - 1, -1, -1) if e.response_mask[j]), None)
+    if last_model is not None:  # None only if the model never produced a token
+        e.token_rewards[last_model] += out["reward"]
+    e.extra_info = out["extra_info"]
+    if out["done"] and e.finish_reason == "stop" and out["extra_info"].get("finish_reason") == "max_turns":
+        e.finish_reason = "max_turns"  # the environment's own turn limit (relign.envs.env)
+    if out["done"] or e.finish_reason == "length":
+        # the episode's text is what its tokens hold: prompt + ... + this action
+        return state + action, False
+    if not appended:
+        # The environment rewrote history: we cannot append tokens consistently.
+        e.env_errors += 1
+        e.finish_reason = "env_error"
+        return state + action, False
+    nxt = out["next_state"]
+    obs = nxt[len(state + action):]
+    obs_ids = tokenizer(obs, add_special_tokens=False)["input_ids"] if obs else []
+    if len(obs_ids) >= max_response_tokens - len(e.response_ids):
+        e.finish_reason = "length"
+        return state + action, False
+    _append(e, obs_ids, 0, [0.0] * len(obs_ids))
+    return nxt, True
+
+
+def _finish(episodes: list[Episode], states: list[str], live: list[int], prompt_chars: list[int]) -> None:
+    """An episode still live after the last turn ends with 'max_turns'; each one's text is its state past the prompt."""
+    still_live = set(live)
+    for i, e in enumerate(episodes):
+        if i in still_live and e.finish_reason == "stop":
+            e.finish_reason = "max_turns"
+        e.text = states[i][prompt_chars[i]:]
+
+
 def run_episodes(
     engine,
     tokenizer,
@@ -178,65 +246,14 @@ def run_episodes(
         live = [i for i in live if budget[i] > 0]
         if not live:
             break
-        inputs = [episodes[i].prompt_ids + episodes[i].response_ids for i in live]
-        room = min(params.max_new_tokens, max(budget[i] for i in live))
-        p = SamplingParams(**{**turn_params.__dict__, "max_new_tokens": room})
-        outs = _generate_turn(engine, inputs, p, turn, live, n, seeds)
-        jobs = []
-        for i, group in zip(live, outs):
-            c = group[0]
-            ids = c.token_ids[: budget[i]]
-            e = episodes[i]
-            _append(e, ids, 1, c.logps[: len(ids)])
-            e.turns += 1
-            jobs.append((states[i], tokenizer.decode(ids), e.extra_info))
-            if len(ids) >= budget[i] and (c.finish_reason == "length" or len(c.token_ids) > len(ids)):
-                e.finish_reason = "length"
+        jobs = _model_turn(engine, tokenizer, episodes, states, live, budget, turn_params, turn, n, seeds)
         results = asyncio.run(_step_all(env, jobs))
         still = []
-        for i, (state, action, _), (res, error) in zip(live, jobs, results):
-            e = episodes[i]
-            if error is not None:
-                # the tool failed: this turn earns 0 and the episode ends where the model left it
-                e.env_errors += 1
-                states[i] = state + action
-                continue
-            try:
-                out, appended = check_step_result(res, state, action)
-            except EnvError as err:
-                raise _contract_error(env, err, res, turn + 1, i // n, i % n) from err
-            e.reward += out["reward"]
-            e.score = out["score"]
-            last_model = next((j for j in range(len(e.response_mask) - 1, -1, -1) if e.response_mask[j]), None)
-            if last_model is not None:  # None only if the model never produced a token
-                e.token_rewards[last_model] += out["reward"]
-            e.extra_info = out["extra_info"]
-            if out["done"] and e.finish_reason == "stop" and out["extra_info"].get("finish_reason") == "max_turns":
-                e.finish_reason = "max_turns"  # the environment's own turn limit (relign.envs.env)
-            if out["done"] or e.finish_reason == "length":
-                # the episode's text is what its tokens hold: prompt + ... + this action
-                states[i] = state + action
-                continue
-            if not appended:
-                # The environment rewrote history: we cannot append tokens consistently.
-                states[i] = state + action
-                e.env_errors += 1
-                e.finish_reason = "env_error"
-                continue
-            nxt = out["next_state"]
-            obs = nxt[len(state + action):]
-            obs_ids = tokenizer(obs, add_special_tokens=False)["input_ids"] if obs else []
-            if len(obs_ids) >= max_response_tokens - len(e.response_ids):
-                states[i] = state + action
-                e.finish_reason = "length"
-                continue
-            _append(e, obs_ids, 0, [0.0] * len(obs_ids))
-            states[i] = nxt
-            still.append(i)
+        for i, job, result in zip(live, jobs, results):
+            states[i], keep = _env_turn(env, tokenizer, episodes[i], job, result, max_response_tokens,
+                                        turn + 1, i // n, i % n)
+            if keep:
+                still.append(i)
         live = still
-    still_live = set(live)
-    for i, e in enumerate(episodes):
-        if i in still_live and e.finish_reason == "stop":
-            e.finish_reason = "max_turns"
-        e.text = states[i][prompt_chars[i]:]
+    _finish(episodes, states, live, prompt_chars)
     return [episodes[k * n : (k + 1) * n] for k in range(len(prompts))]

@@ -106,36 +106,70 @@ def mc_step_values(engine, tokenizer, episodes: list[VineEpisode], *,
     values = [StepValues(len(e.prompt_ids), step_ends(e.response_ids, tokenizer, delimiter, cache=cache), [])
               for e in episodes]
     # every (episode, state) request, then the unique ones
+    requests = _requests(episodes, values, max_steps, params.max_new_tokens)
+    starts = {i: [0, *v.ends[:-1]] for i, v in enumerate(values)}
+    states = _States(episodes, starts, requests, dedup)
+    unique = list(states.owner)  # first-seen order: the same on every rank
+    rank, world = distributed.rank(), distributed.world_size()  # every rank a share, gathered by all (as the rollout)
+    total, cost = _estimate(engine, tokenizer, score, params, states, unique[rank::world],
+                            k=k, adaptive=adaptive, seed=seed, step=step)
+    estimates, mc_tokens, engine_calls = _gather(total, cost, world)
+    for r, key in zip(requests, states.keys):
+        values[r[0]].mc[r[1]] = estimates[key]
+    estimated = [x for v in values for x in v.mc if x is not None]
+    return values, {
+        "vine/mc_tokens": mc_tokens, "vine/states": float(len(requests)), "vine/unique_states": float(len(unique)),
+        "vine/engine_calls": engine_calls, "vine/value_mean": sum(estimated) / len(estimated) if estimated else 0.0,
+        "vine/steps_mean": sum(len(v.ends) for v in values) / len(values) if values else 0.0,
+    }
+
+
+def _requests(episodes: list[VineEpisode], values: list[StepValues], max_steps: int | None,
+              max_new_tokens: int) -> list[tuple[int, int]]:
+    """Every (episode, state index) request, in order; each ``mc`` set to None per step. Raises when
+    a response holds more tokens than the budget it was sampled with."""
     requests: list[tuple[int, int]] = []  # (episode, state index)
     for i, (e, v) in enumerate(zip(episodes, values)):
         states = step_prefixes(e.prompt_ids, e.response_ids, v.ends, max_steps) if v.ends else []
         v.mc = [None] * len(v.ends)
         requests += [(i, j) for j in range(len(states))]
-        if v.ends and v.ends[-1] > params.max_new_tokens:
+        if v.ends and v.ends[-1] > max_new_tokens:
             raise ValueError(f"mc_step_values: response {i} holds {v.ends[-1]} tokens, more than the budget "
-                             f"max_new_tokens={params.max_new_tokens} it was sampled with")
-    starts = {i: [0, *v.ends[:-1]] for i, v in enumerate(values)}
+                             f"max_new_tokens={max_new_tokens} it was sampled with")
+    return requests
 
-    def prefix(r: tuple[int, int]) -> list[int]:
+
+class _States:
+    """The requested states, keyed: with ``dedup`` a state's key is its prefix (identical states
+    share one estimate), else the (episode, state index) request itself."""
+
+    def __init__(self, episodes: list[VineEpisode], starts: dict[int, list[int]], requests: list[tuple[int, int]],
+                 dedup: bool):
+        self.episodes, self.dedup = episodes, dedup
+        self.starts = starts  # starts[i][j]: the response tokens state s_j of episode i already holds
+        self.keys = [tuple(self.prefix(r)) if dedup else r for r in requests]
+        # dedup=False: the c-th copy of a state in the batch is sampled with its own seed (copy c),
+        # so the copies are independent samples (the first has the de-duplicated state's seed)
+        self.copy: dict[tuple, int] = {}
+        if not dedup:
+            seen: dict[tuple[int, ...], int] = {}
+            for r in requests:
+                p = tuple(self.prefix(r))
+                self.copy[r] = seen.get(p, 0)
+                seen[p] = self.copy[r] + 1
+        self.owner: dict[tuple, tuple[int, int]] = {}  # each unique state -> its first request
+        for key, r in zip(self.keys, requests):
+            self.owner.setdefault(key, r)
+
+    def prefix(self, r: tuple[int, int]) -> list[int]:
+        """The tokens of request r's state: the prompt + the response's steps before it."""
         i, j = r
-        return episodes[i].prompt_ids + episodes[i].response_ids[: starts[i][j]]
+        return self.episodes[i].prompt_ids + self.episodes[i].response_ids[: self.starts[i][j]]
 
-    keys = [tuple(prefix(r)) if dedup else r for r in requests]
-    # dedup=False: the c-th copy of a state in the batch is sampled with its own seed (copy c),
-    # so the copies are independent samples (the first has the de-duplicated state's seed)
-    copy: dict[tuple, int] = {}
-    if not dedup:
-        seen: dict[tuple[int, ...], int] = {}
-        for r in requests:
-            p = tuple(prefix(r))
-            copy[r] = seen.get(p, 0)
-            seen[p] = copy[r] + 1
-    owner: dict[tuple, tuple[int, int]] = {}  # each unique state -> its first request
-    for key, r in zip(keys, requests):
-        owner.setdefault(key, r)
-    unique = list(owner)  # first-seen order: the same on every rank
-    rank, world = distributed.rank(), distributed.world_size()  # every rank a share, gathered by all (as the rollout)
-    mine = unique[rank::world]
+
+def _estimate(engine, tokenizer, score, params: SamplingParams, states: _States, mine: list[tuple], *,
+              k: int, adaptive: AdaptiveK | None, seed: int, step: int) -> tuple[dict[tuple, list[float]], Cost]:
+    """The rewards of each of ``mine``'s states' continuations (k of them, or AdaptiveK's rounds), and their cost."""
     total: dict[tuple, list[float]] = {key: [] for key in mine}
     cost = Cost()
     todo = {key: (adaptive.start if adaptive else k) for key in mine}
@@ -145,16 +179,18 @@ def mc_step_values(engine, tokenizer, episodes: list[VineEpisode], *,
         # budget the policy had left at its state, no more (the engine call takes one params)
         by_call: dict[tuple[int, int], list[tuple]] = {}
         for key, n in todo.items():
-            i, j = owner[key]
-            by_call.setdefault((n, starts[i][j]), []).append(key)
+            i, j = states.owner[key]
+            by_call.setdefault((n, states.starts[i][j]), []).append(key)
         for (n, done), keys_n in sorted(by_call.items()):
-            reqs = [owner[key] for key in keys_n]
-            prefixes = [prefix(r) for r in reqs]
+            reqs = [states.owner[key] for key in keys_n]
+            prefixes = [states.prefix(r) for r in reqs]
             call = replace(params, n=n, max_new_tokens=params.max_new_tokens - done,
                            min_new_tokens=max(0, params.min_new_tokens - done))
-            outs = continue_prefixes(engine, prefixes, call, cost, dedup=dedup,
-                                     seeds=[state_seed(seed, step, p, round_, copy.get(r, 0)) for p, r in zip(prefixes, reqs)])
-            rewards = _score_continuations(episodes, reqs, starts, outs, params.max_new_tokens, tokenizer, score)
+            outs = continue_prefixes(engine, prefixes, call, cost, dedup=states.dedup,
+                                     seeds=[state_seed(seed, step, p, round_, states.copy.get(r, 0))
+                                            for p, r in zip(prefixes, reqs)])
+            rewards = _score_continuations(states.episodes, reqs, states.starts, outs, params.max_new_tokens,
+                                           tokenizer, score)
             for key, rs in zip(keys_n, rewards):
                 total[key] += rs
         round_ += 1
@@ -164,20 +200,19 @@ def mc_step_values(engine, tokenizer, episodes: list[VineEpisode], *,
                 extra = adaptive.more(sum(rs) / len(rs), len(rs))
                 if extra:
                     todo[key] = extra
+    return total, cost
+
+
+def _gather(total: dict[tuple, list[float]], cost: Cost, world: int) -> list:
+    """``[V̂ per state key, tokens generated, engine calls]`` over all ranks (each rank estimated a
+    share): the tokens summed, the calls the most any rank made."""
     estimates = {key: sum(rs) / len(rs) for key, rs in total.items()}
     stats = [estimates, float(cost.generated_tokens), float(cost.engine_calls)]
     if world > 1:
         parts = distributed.all_gather_object(stats)
         estimates = {key: v for part in parts for key, v in part[0].items()}
         stats = [estimates, sum(p[1] for p in parts), max(p[2] for p in parts)]
-    for r, key in zip(requests, keys):
-        values[r[0]].mc[r[1]] = estimates[key]
-    estimated = [x for v in values for x in v.mc if x is not None]
-    return values, {
-        "vine/mc_tokens": stats[1], "vine/states": float(len(requests)), "vine/unique_states": float(len(unique)),
-        "vine/engine_calls": stats[2], "vine/value_mean": sum(estimated) / len(estimated) if estimated else 0.0,
-        "vine/steps_mean": sum(len(v.ends) for v in values) / len(values) if values else 0.0,
-    }
+    return stats
 
 
 def _score_continuations(episodes: list[VineEpisode], reqs: list[tuple[int, int]], starts: dict[int, list[int]], outs,
