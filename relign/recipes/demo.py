@@ -328,23 +328,44 @@ def _write_summary(cfg: Config, run_dir: Path, data: dict[str, Any], device, *, 
         print(f"report: {path}")
 
 
-def train(cfg: Config) -> RunResult:
+def _open(cfg: Config) -> frame.Run:
+    """The demo's run: its checks, one process, its thread count, the device, a fresh run directory."""
     _check(cfg)
     distributed.init()
     if distributed.world_size() > 1:
         raise ConfigError("relign demo runs in one process; run the sft and rl recipes under torchrun instead")
-    d = cfg.demo
-    if d.threads:
+    if cfg.demo.threads:
         # A tiny model's matrices are too small to split well, and a thread that waits for a
         # sibling on a busy core stalls every op (4x slower sampling measured on a loaded 2-core
         # machine); a fixed count also keeps results reproducible across machines.
-        torch.set_num_threads(d.threads)
+        torch.set_num_threads(cfg.demo.threads)
     device, t_start = resolve_device(cfg.device), time.perf_counter()
     # a run_dir that holds an earlier demo gives a fresh one beside it (relign.rundir), so the
     # stages (sft/, rl/) always start in empty directories and never pick up old checkpoints
     run = frame.Run(cfg, "demo", rundir.open_run(cfg, "demo"), device, t_start)
-    run_dir = run.run_dir
-    cfg.run_dir = str(run_dir)
+    cfg.run_dir = str(run.run_dir)
+    return run
+
+
+def _model_and_task(cfg: Config, data: dict, model_spec: str, seconds: dict[str, float]) -> None:
+    """Stages 1 and 2: the model (a tiny one built once into $RELIGN_CACHE, offline: relign.models.tiny)
+    and the task's problems and demonstrations, deterministic from the seed."""
+    d = cfg.demo
+    t0 = time.perf_counter()
+    model_path = resolve_model_path(model_spec)
+    seconds["model"] = time.perf_counter() - t0
+    _say(f"[1/6] model: {'' if d.model else model_spec + ' (random init) at '}{model_path}")
+    t0 = time.perf_counter()
+    _write_problems(cfg, data)
+    seconds["data"] = time.perf_counter() - t0
+    _say(f"[2/6] task: multi-step arithmetic, {d.train_problems} training problems, {d.test_problems} held-out (written to "
+         f"{Path(cfg.run_dir) / 'data'})" if d.task == ARITH else f"[2/6] task: {d.task}, training prompts {data['train']}, "
+         f"{len(data['records'])} held-out problems from {data['test']}")
+
+
+def train(cfg: Config) -> RunResult:
+    run = _open(cfg)
+    d, run_dir, device, t_start = cfg.demo, run.run_dir, run.device, run.t_start
     max_new = d.max_new_tokens or (64 if d.task == ARITH else 512)
     seconds: dict[str, float] = {}
     # tiny:SIZE is resolved by the recipes themselves (and written as such in their configs)
@@ -359,19 +380,8 @@ def train(cfg: Config) -> RunResult:
                                                  if run_sft else "")
                  + f"GRPO {rl_cfg.max_steps:,} x {rl_cfg.prompts_per_step} problems x {rl_cfg.rollout.n} samples")
 
-    # ---- 1. model: a tiny one is built once into $RELIGN_CACHE, offline (relign.models.tiny)
-    t0 = time.perf_counter()
-    model_path = resolve_model_path(model_spec)
-    seconds["model"] = time.perf_counter() - t0
-    _say(f"[1/6] model: {'' if d.model else model_spec + ' (random init) at '}{model_path}")
-
-    # ---- 2. task: problems and demonstrations, deterministic from the seed
-    t0 = time.perf_counter()
-    _write_problems(cfg, data)
-    seconds["data"] = time.perf_counter() - t0
-    _say(f"[2/6] task: multi-step arithmetic, {d.train_problems} training problems, {d.test_problems} held-out (written to "
-         f"{run_dir / 'data'})" if d.task == ARITH else f"[2/6] task: {d.task}, training prompts {data['train']}, "
-         f"{len(data['records'])} held-out problems from {data['test']}")
+    # ---- 1. model, 2. task
+    _model_and_task(cfg, data, model_spec, seconds)
 
     # ---- 3. SFT warm start
     start_model = _sft_stage(sft_cfg, d, data, seconds) if run_sft else model_spec

@@ -498,12 +498,11 @@ def plan_rl(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pla
         critic = {"critic": P.weight_bytes(c_params, model.prec.param) + P.adamw_bytes(c_params, model.prec.param)}
     keep = {**model.states(grads=False), **ref, **critic}
     rollout, asleep, rows = _rl_rollout(cfg, model, device, world, keep)
-    stages = [rollout]
     # ---- the passes without gradients, then the update's
     nograd = {**keep, **asleep, "forward (no grad)": model.nograd_pass(whole.tokens, whole.seqs * lay.R, fused=fused,
                                                                         temperature=ro.temperature)}
     pass_s = _seconds(model.flops(whole.tokens * whole.passes, whole.seqs * whole.passes * lay.R, 0), device)
-    stages += [P.Stage(name, dict(nograd), key="max_tokens_per_micro", seconds=pass_s)
+    stages = [rollout] + [P.Stage(name, dict(nograd), key="max_tokens_per_micro", seconds=pass_s)
                for name, runs in (("reference", kl), ("old_logps", reuse)) if runs]
     if estimator_values:
         stages.append(P.Stage("values", {**keep, **asleep,

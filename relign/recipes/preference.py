@@ -472,6 +472,27 @@ def step_flops(shape: ModelFlops | None, sets: dict[str, list], idx: list[int], 
                                shared=share) for e in pairs)
 
 
+def accumulate(losses: PairLosses | KtoLosses, mine: list[int], z0, *, batch_size: int, micro_batch_size: int,
+               max_tokens: int) -> tuple[dict[str, torch.Tensor], float]:
+    """Forward/backward this rank's examples ``mine`` of the step in micro-batches; returns the
+    step's metric sums and the tokens run. Similar lengths in a micro-batch pad less, and the order
+    within a step changes only rounding. Under a token budget the ranks may cut different counts: a
+    rank with fewer runs passes that count zero (FSDP's collectives)."""
+    sums: dict[str, torch.Tensor] = {}
+    tokens = 0.0
+    parts = micro_batches(losses.sets["train"], mine, share_prompt=losses.share, micro_batch_size=micro_batch_size,
+                          max_tokens=max_tokens)
+    for part, real in distributed.lockstep(parts, filler=mine[:1]) if max_tokens else [(p, True) for p in parts]:
+        per_pair, met, ntok = losses.of("train", part, z0)
+        # one normalizer for the whole step on every rank: the summed gradient is that of
+        # the mean loss over the global batch (x world: FSDP averages gradients over ranks)
+        (per_pair.sum() * float(real) / batch_size * distributed.grad_scale()).backward()
+        if real:
+            tokens += ntok
+            add_sums(sums, {"loss_sum": per_pair, **met})
+    return sums, tokens
+
+
 def train(cfg: Config) -> RunResult:
     run = frame.open(cfg, "dpo", check=_check)
     kto, m = cfg.loss == "kto", cfg.model
@@ -510,19 +531,8 @@ def train(cfg: Config) -> RunResult:
         t0 = time.perf_counter()
         mine = shard(t.sampler.next(), run.rank, run.world)
         z0 = losses.prepare("train", mine)  # KTO's reference point; None for pairs
-        sums: dict[str, torch.Tensor] = {}
-        tokens = 0.0
-        # similar lengths in a micro-batch pad less; the order within a step changes only rounding. Under a token
-        # budget ranks may cut different counts: a rank with fewer runs passes that count zero (FSDP's collectives)
-        parts = micro_batches(train_set, mine, share_prompt=share, micro_batch_size=cfg.micro_batch_size, max_tokens=max_tokens)
-        for part, real in distributed.lockstep(parts, filler=mine[:1]) if max_tokens else [(p, True) for p in parts]:
-            per_pair, met, ntok = losses.of("train", part, z0)
-            # one normalizer for the whole step on every rank: the summed gradient is that of
-            # the mean loss over the global batch (x world: FSDP averages gradients over ranks)
-            (per_pair.sum() * float(real) / cfg.batch_size * distributed.grad_scale()).backward()
-            if real:
-                tokens += ntok
-                add_sums(sums, {"loss_sum": per_pair, **met})
+        sums, tokens = accumulate(losses, mine, z0, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
+                                  max_tokens=max_tokens)
         step_metrics = frame.optimizer_step(t, cfg.optim.max_grad_norm)
         seconds = time.perf_counter() - t0
         work = torch.tensor([tokens, step_flops(shape, sets, mine, kto=kto, share=share)], dtype=torch.float64,
