@@ -77,3 +77,14 @@ def test_a_package_whose_init_imports_a_module_that_imports_the_package_back_is_
     assert code_shape.cycles(code_shape.scan(root)) == [["relign.envs", "relign.envs.tasks"]]
     (root / "relign" / "envs" / "tasks.py").write_text("from relign.envs.gsm8k import task\nTASKS = {}\n")
     assert code_shape.cycles(code_shape.scan(root)) == []
+
+
+def test_the_architecture_page_quotes_the_tools_figures(shape):
+    """docs/architecture.md's shape block is ``python tools/code_shape.py``'s output, as it is today."""
+    from .conftest import REPO
+
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    lead = "today (`tests/test_import_layers.py` keeps this block equal to its output):\n\n```text\n"
+    block = doc.split(lead, 1)[1].split("```", 1)[0]
+    printed = "".join(f"{k}: {v}\n" for k, v in code_shape.summary(shape).items())
+    assert block == printed

@@ -211,6 +211,12 @@ def summary(shape: Shape) -> dict[str, object]:
     own_in_function = [i for i in own_imports(shape) if i.in_function]
     statements = {(i.source, i.line) for i in own_in_function}
     longest = max(shape.functions)
+    trains = sorted(((n, mod) for n, mod, name, _ in shape.functions if name == "train" and mod.startswith("relign.recipes.")),
+                    reverse=True)
+    targets: dict[str, set[str]] = {}
+    for i in own_imports(shape):
+        targets.setdefault(i.source, set()).add(i.target)
+    widest = max(((len(v), k) for k, v in targets.items()), default=None)
     return {
         "modules": len(shape.modules),
         "cycles": len(cycles(shape)),
@@ -219,6 +225,9 @@ def summary(shape: Shape) -> dict[str, object]:
         "imports inside functions to relign's own modules (statements)": len(statements),
         "longest function": f"{longest[0]} lines ({longest[1]}.{longest[2]})",
         "functions over 100 lines": sum(n > 100 for n, *_ in shape.functions),
+        "functions over 60 lines": sum(n > 60 for n, *_ in shape.functions),
+        "longest recipe train()": f"{trains[0][0]} lines ({trains[0][1]}.train)" if trains else "none",
+        "relign modules imported by one file (most)": f"{widest[0]} ({widest[1]})" if widest else "none",
     }
 
 
