@@ -11,7 +11,7 @@ import torch
 
 from relign.data.sft import SFTExample
 from relign.models.flops import ModelFlops, mfu, model_flops, peak_flops
-from relign.recipes import preference, reward_model, rl, sft
+from relign.recipes import preference, reward_model, rl_stages, sft
 from relign.recipes.rl_update import Layout
 from relign.tracking import read_metrics
 
@@ -50,8 +50,8 @@ def test_the_recipes_counts_by_hand():
     assert reward_model.step_flops(f, [pair]) == 3 * ((5 * 288 + 15 * 16) + (4 * 288 + 10 * 16))
     # RL: one group of 2 (prompt 3, responses 2 and 1); shared where the layout packs the group
     batch = SimpleNamespace(prompt_lens=torch.tensor([3, 3]), seq_lens=torch.tensor([5, 4]))
-    assert rl.batch_flops(f, batch, Layout("packed", group_size=2)) == f.group(3, (2, 1), shared=True)
-    assert rl.batch_flops(f, batch, Layout("padded", group_size=2)) == f.group(3, (2, 1), shared=False)
+    assert rl_stages.batch_flops(f, batch, Layout("packed", group_size=2)) == f.group(3, (2, 1), shared=True)
+    assert rl_stages.batch_flops(f, batch, Layout("padded", group_size=2)) == f.group(3, (2, 1), shared=False)
 
 
 def test_mfu_needs_a_peak():

@@ -32,35 +32,23 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from .. import banner, distributed, rundir, watchdog
-from ..algorithms import shaping
-from ..algorithms.kl import kl_estimate
 from ..algorithms.policy_losses import behaviour_weights
 from ..checkpoint import gather_train_state, load_checkpoint, load_model_weights, restore_optimizer, save_final
-from ..data.collate import StepSampler
-from ..evaluate import PeriodicEval
 from ..models import varlen
 from ..models.budget import CPU_TOKENS, device_tokens
-from ..models.flops import ModelFlops, model_flops
 from ..models.loading import load_model_tokenizer, trainable_parameters
-from ..models.value import ValueModel
-from ..optim import build_optimizer
-from ..rollout.batch import RolloutBatch, build_batch
-from ..rollout.collect import RolloutCollector
-from ..rollout.engine import Engine
 from ..rollout.queue import RolloutAhead, Sampled
 from ..rollout.sync_check import can_check, check_sync, probe_sequences
 from ..rollout.traces import write_traces
-from ..rollout.vine import AdaptiveK, VineEpisode, mc_step_values
 from ..rollout.weights import engine_weights
-from ..tracking import StageClock, Tracker
+from ..tracking import StageClock
 from . import RunResult, build, frame
-from .rl_advantages import ESTIMATORS, AdvantageOptions, Estimator, Rewards, shaped_rewards
+from .rl_advantages import ESTIMATORS, AdvantageOptions, Estimator
 # the recipe's config lives beside it (rl_config.py); rl.Config & co. stay its public names
 from .rl_config import (  # noqa: F401
     AlgorithmConfig, Config, CriticConfig, EvalDuringTrainingConfig, LearnedRewardConfig, RolloutConfig, TaskConfig,
@@ -68,10 +56,16 @@ from .rl_config import (  # noqa: F401
 )
 from .rl_config import check as _check
 from .rl_config import check_budget
-from .rl_update import (
-    ActorLoss, Layout, Stats, behaviour_spread, behaviour_stats, plan, score_logps, score_values, trpo_update, update_critic,
-    update_policy
-)
+from .rl_stages import batch_of, critic_for, reference_logps, rewards_of, step_metrics, trainer_mfu, values_of
+from .rl_update import ActorLoss, Layout, Stats, behaviour_stats, plan, score_logps, trpo_update, update_critic, update_policy
+
+if TYPE_CHECKING:  # the run's parts, named in _Run and RLState only
+    from ..data.collate import StepSampler
+    from ..evaluate import PeriodicEval
+    from ..models.value import ValueModel
+    from ..rollout.collect import RolloutCollector
+    from ..rollout.engine import Engine
+    from ..tracking import Tracker
 
 
 @dataclass
@@ -175,7 +169,7 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
     ref = None
     if a.kl != "none" and not m.lora.enabled:  # with LoRA the reference is the base model, adapter disabled
         ref = frame.shard(build.load_frozen(m.path, m, run.device))
-    critic, critic_opt = _critic(cfg, ckpt, run.device) if estimator.values == "critic" else (None, None)
+    critic, critic_opt = critic_for(cfg, ckpt, run.device) if estimator.values == "critic" else (None, None)
     # packed rows run sequence by sequence (relign.models.varlen); a group's prompt runs once,
     # its responses continuing it in the packed row where varlen applies, else in padded rows
     # against its KV cache
@@ -226,18 +220,6 @@ def actor_loss(a: AlgorithmConfig, max_len: int) -> ActorLoss:
                      a.kl_estimator, a.entropy_coef, a.loss_agg, max_len, a.kl_agg, a.kl_clamp)
 
 
-def _critic(cfg: Config, ckpt, device) -> tuple[ValueModel, torch.optim.Optimizer]:
-    """The value model V(s_t) (resumed from ``ckpt/critic``), sharded, with its AdamW."""
-    m = cfg.model
-    critic = build.load_critic(cfg.critic.path or m.path, m, device, key="critic.path" if cfg.critic.path else "model.path")
-    if ckpt is not None:
-        load_model_weights(critic.lm, ckpt / "critic")
-        critic.load_head(ckpt / "critic")
-    critic = frame.shard(critic)
-    return critic, build_optimizer(critic, lr=cfg.critic.lr, weight_decay=cfg.optim.weight_decay,
-                                   betas=(cfg.optim.beta1, cfg.optim.beta2))
-
-
 def _facts(cfg: Config, collector, run: frame.Run) -> dict:
     """What the start banner and --dry-run say about the data and the length of the run."""
     return dict(run_dir=run.run_dir, device=run.device,
@@ -283,15 +265,15 @@ def train(cfg: Config) -> RunResult:
                 _skip_step(r, cfg, step, skipped_steps, clock)
                 continue
             r.ahead.before_update()  # the engine sleeps until the sync, unless it samples the next batch
-            batch = _batch(r, a, groups, device)
+            batch = batch_of(r, a, groups, device)
             micro = plan(batch, torch.arange(batch.size, device=device), r.layout)
             with clock("reference"):  # 2.
-                ref_logps = _reference_logps(r, batch, micro, ro.temperature) if a.kl != "none" else None
+                ref_logps = reference_logps(r, batch, micro, ro.temperature) if a.kl != "none" else None
             with clock("old_logps"):  # 3. pi_prox: the weights before this step's update
                 old_logps = score_logps(r.policy, batch, micro, r.layout, temperature=ro.temperature) if reuse else None
             with clock("values"):  # 4. the critic's V(s_t), or VinePPO's Monte-Carlo step values
-                values, value_stats = _values(r, cfg, step, groups, batch, micro)
-            rewards = _rewards(r, a, groups, batch, old_logps, ref_logps)  # 5.
+                values, value_stats = values_of(r, cfg, step, groups, batch, micro)
+            rewards = rewards_of(r, a, groups, batch, old_logps, ref_logps)  # 5.
             advantages, returns = r.estimator.fn(rewards, batch.response_mask, values, r.options)
             with clock("update"):  # 6.
                 stats, skipped = _update(r, cfg, step, batch, advantages, returns, old_logps, ref_logps, values)
@@ -300,7 +282,7 @@ def train(cfg: Config) -> RunResult:
             with clock("sync"):  # 7. the HF engine in one process holds the policy's own tensors: nothing is copied
                 r.engine.load_weights(engine_weights(r.engine, r.policy))
                 sync_gap = _sync_check(r, cfg, step)
-            metrics = {**_step_metrics(r, groups, batch, rewards, stats, old_logps, clock), **value_stats, **sync_gap}
+            metrics = {**step_metrics(r, groups, batch, rewards, stats, old_logps, clock), **value_stats, **sync_gap}
             metrics.update(trainer_mfu(run, cfg, r, batch, metrics, reference=ref_logps is not None, old=old_logps is not None))
             metrics.update(r.ahead.metrics(version, sampled))  # the trained batch's staleness, where sampled ahead
             if r.evaluator is not None and r.evaluator.due(step, cfg.max_steps):  # held-out accuracy, updated policy
@@ -369,57 +351,6 @@ def _out_of_time(t0: float, max_seconds: float) -> bool:
     return bool(distributed.all_reduce_sum(torch.tensor([late], dtype=torch.float64), group="world").item() > 0)
 
 
-def _values(run: _Run, cfg: Config, step: int, groups, batch, micro) -> tuple[object, dict[str, float]]:
-    """The values the estimator reads: the critic's V(s_t) [N, L], VinePPO's step values (K
-    continuations from every step boundary, sampled by the engine with the policy's settings
-    and scored by the task), or None."""
-    if run.critic is not None:
-        return score_values(run.critic, batch, micro, run.layout), {}
-    if run.estimator.values != "monte_carlo":
-        return None, {}
-    v, c = cfg.vine, run.collector
-    episodes = [VineEpisode(e.prompt_ids, e.response_ids, g.prompt_text, g.extra_info) for g in groups for e in g.episodes]
-    run.engine.wake()  # generation between the rollout and the update
-    if run.engine.weights_stale:  # a vLLM engine that slept at level 2 dropped them
-        run.engine.load_weights(engine_weights(run.engine, run.policy))
-    values, stats = mc_step_values(
-        run.engine, run.tok, episodes, params=c.sampling,
-        score=lambda p, r, i, ids: [x.reward for x in c.pool.score(p, r, i, completion_ids=ids)],
-        k=v.k, max_steps=v.max_steps, delimiter=run.step_delimiter, dedup=v.dedup,
-        adaptive=AdaptiveK() if v.adaptive else None, seed=cfg.seed, step=step)
-    run.engine.sleep()
-    stats["vine/policy_tokens"] = float(sum(len(e.response_ids) for e in episodes))
-    return values, stats
-
-
-def _reference_logps(run: _Run, batch, micro, temperature: float) -> torch.Tensor:
-    if run.ref is not None:
-        return score_logps(run.ref, batch, micro, run.layout, temperature=temperature)
-    with run.policy.disable_adapter():  # LoRA: the reference is the base model, no second copy
-        return score_logps(run.policy, batch, micro, run.layout, temperature=temperature)
-
-
-def _batch(run: _Run, a: AlgorithmConfig, groups, device) -> RolloutBatch:
-    batch = build_batch([e for g in groups for e in g.episodes], run.tok.pad_token_id, device, run.options.group_size)
-    if a.overlong == "mask":  # DAPO's overlong filtering: truncated completions leave the loss
-        truncated = torch.tensor([e.finish_reason != "stop" for g in groups for e in g.episodes], device=device)
-        batch.response_mask = shaping.truncation_loss_mask(truncated, batch.response_mask)
-    return batch
-
-
-def _rewards(run: _Run, a: AlgorithmConfig, groups, batch, old_logps, ref_logps) -> Rewards:
-    """The step's rewards with their shaping: overlong penalty, and the KL when it is in the reward."""
-    def term_weight(k: str) -> float:
-        return a.gdpo_weights.get(k, run.collector.term_weight(k))
-
-    if run.estimator.check_groups is not None:
-        run.estimator.check_groups(groups, term_weight)
-    kl_tok = kl_estimate(old_logps, ref_logps, a.kl_estimator) if a.kl == "reward" else None
-    return shaped_rewards(groups, batch, term_weight=term_weight, overlong=a.overlong,
-                          max_len=run.collector.max_response_tokens, overlong_cache=a.overlong_cache,
-                          overlong_factor=a.overlong_factor, kl_tok=kl_tok, kl_coef=a.kl_coef)
-
-
 def _mini_batches(n_groups: int, G: int, mini_batches: int, generator: torch.Generator, device) -> list[torch.Tensor]:
     """Rows of exactly ``mini_batches`` mini-batches of whole groups (shuffled when more than
     one): the number of updates per step is fixed, so the schedule's count is exact."""
@@ -460,34 +391,6 @@ def _update(run: _Run, cfg: Config, step: int, batch, advantages, returns, old_l
     return stats, skipped
 
 
-def batch_flops(shape: ModelFlops, batch: RolloutBatch, layout: Layout, *, head: bool = True) -> float:
-    """Forward FLOPs of one pass over every row of ``batch`` (``models.flops``): a group's prompt
-    once where the layout shares it (shared, or packed with G > 1), the LM head (``head``) at the
-    response tokens."""
-    G = layout.group_size if layout.kind != "padded" and layout.group_size > 1 else 1
-    P, S = batch.prompt_lens.tolist(), batch.seq_lens.tolist()
-    return sum(shape.group(P[i], [S[j] - P[j] for j in range(i, i + G)], shared=G > 1, head=head)
-               for i in range(0, len(P), G))
-
-
-def trainer_mfu(run: frame.Run, cfg: Config, r: _Run, batch: RolloutBatch, metrics: dict[str, float], *, reference: bool,
-                old: bool) -> dict[str, float]:
-    """``perf/mfu`` of the step's trainer passes (the reference and old log-probs forwards, the
-    update's forwards and backwards: policy, and critic if any) over their stages' seconds; the
-    rollout and the values stage (generation for VinePPO) are not in it, as veRL's
-    ``perf/mfu/actor`` leaves them out. Groups skipped for zero advantage did not run. TRPO's
-    conjugate-gradient products are not counted: no MFU for it."""
-    shape = model_flops(r.policy)
-    if shape is None or run.peak is None or cfg.update == "trpo":
-        return {}
-    a, fwd = cfg.algorithm, batch_flops(shape, batch, r.layout)
-    flops = (reference + old) * fwd + 3 * a.ppo_epochs * fwd * (1.0 - metrics.get("actor/skipped_rows_frac", 0.0))
-    if r.critic is not None:
-        flops += 3 * a.ppo_epochs * batch_flops(shape, batch, r.layout, head=False)
-    seconds = sum(metrics.get(f"time/{k}_s", 0.0) for k in ("reference", "old_logps", "update"))
-    return frame.mfu(run, flops, seconds)
-
-
 def _skip_step(run: _Run, cfg: Config, step: int, skipped_steps: int, clock: StageClock) -> None:
     with warnings.catch_warnings():  # torch warns of a schedule step before any optimizer step: intended here
         warnings.simplefilter("ignore", UserWarning)
@@ -498,28 +401,3 @@ def _skip_step(run: _Run, cfg: Config, step: int, skipped_steps: int, clock: Sta
     run.tracker.log(step, {"rollout/skipped_steps": float(skipped_steps), **run.collector.step_metrics([]), **clock.metrics()})
 
 
-def _step_metrics(run: _Run, groups, batch: RolloutBatch, rewards: Rewards, stats: Stats, old_logps, clock: StageClock
-                  ) -> dict[str, float]:
-    eps = [e for g in groups for e in g.episodes]
-    lengths = batch.response_mask.sum(-1)
-    out = {
-        "reward/mean": float(rewards.outcome.mean()),
-        "reward/std": float(rewards.outcome.std()) if len(eps) > 1 else 0.0,
-        "reward/score": float(np.mean([e.score for e in eps])),
-        "response/length_mean": float(lengths.mean()),
-        "response/length_max": float(lengths.max()),
-        "response/truncated_frac": float(np.mean([e.finish_reason != "stop" for e in eps])),
-        **run.collector.step_metrics(groups),
-        **stats.reduce(),
-        **clock.metrics(),
-    }
-    behaviour_spread(out)
-    if rewards.penalties is not None:
-        out["reward/kl_penalty"] = float(-rewards.penalties.sum(-1).mean())
-    if old_logps is not None:  # engine vs trainer on the same tokens and weights
-        m, gap = batch.response_mask, (batch.sampling_logps - old_logps).abs()
-        out["actor/logp_mismatch"] = float((gap * m).sum() / m.sum().clamp_min(1))
-        out["actor/logp_mismatch_max"] = float(gap[m.bool()].max()) if m.any() else 0.0
-    out["perf/tokens_per_s"] = float(batch.seq_lens.sum()) / max(out["time/step_s"], 1e-9)
-    out.update(run.engine.perf_metrics())  # the engine's own (the HF engine on a GPU: perf/decode_bw_frac)
-    return out
