@@ -87,6 +87,12 @@ class Trainer:
     """The checkpoint it resumed from."""
     params: list[torch.Tensor] = field(default_factory=list)
     """The trainable parameters (what the gradient norm is clipped over)."""
+    steps: int = 0
+    """The recipe's steps (``steps``, the tracker's count and ``save_last``'s): ``total_steps``, one
+    update a step, unless the recipe makes several updates a step (RL: ppo_epochs x mini_batches)."""
+
+    def __post_init__(self):
+        self.steps = self.steps or self.total_steps
 
 
 def open(cfg: Any, recipe: str, *, check: Callable[[Any], Any] | None = None, seed: int | None = None,
@@ -165,19 +171,19 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def trainable(run: Run, model: torch.nn.Module, *, ckpt: Path | None, rows: int, batch_size: int, total_steps: int,
-              weights_loaded: bool = False) -> Trainer:
+              weights_loaded: bool = False, steps: int = 0) -> Trainer:
     """``model`` ready to train: the checkpoint's weights (before sharding, so every rank starts
     from the same full weights; ``weights_loaded`` when the caller has loaded them already),
     FSDP, the data order over ``rows`` in batches of ``batch_size``, AdamW and its schedule over
-    ``total_steps`` updates (``cfg.optim``), and the optimizer, schedule and data
-    position of ``ckpt``."""
+    ``total_steps`` updates (``cfg.optim``; ``steps``: the recipe's steps where a step makes several
+    updates), and the optimizer, schedule and data position of ``ckpt``."""
     if ckpt is not None and not weights_loaded:
         load_model_weights(model, ckpt)
     model = shard(model)
     sampler = StepSampler(rows, batch_size, seed=run.cfg.seed)
     optimizer, scheduler = build_training(model, run.cfg.optim, total_steps)
     start = resume_training(ckpt, model, optimizer, scheduler, sampler)
-    return Trainer(model, optimizer, scheduler, sampler, total_steps, start, ckpt, trainable_parameters(model))
+    return Trainer(model, optimizer, scheduler, sampler, total_steps, start, ckpt, trainable_parameters(model), steps)
 
 
 def saver(run: Run, t: Trainer, tokenizer, *, state: dict[str, Any] | None = None,
@@ -202,12 +208,12 @@ def saver(run: Run, t: Trainer, tokenizer, *, state: dict[str, Any] | None = Non
     return save
 
 
-def tracker(run: Run, t: Trainer, *, desc: str, bar_keys: tuple[str, ...], first: dict[str, float] | None = None,
-            total_steps: int | None = None) -> Tracker:
-    """The run's metrics.jsonl, TensorBoard / W&B and progress bar over ``total_steps`` (default
-    ``t.total_steps``: RL counts rollout steps, not updates), from ``t.start``; a fresh run logs
-    ``first`` (its data counts) at step 0, a resumed one says where it resumed from."""
-    out = build.tracker_for(run.cfg.logging, run.run_dir, total_steps=total_steps or t.total_steps, start_step=t.start,
+def tracker(run: Run, t: Trainer, *, desc: str, bar_keys: tuple[str, ...], first: dict[str, float] | None = None
+            ) -> Tracker:
+    """The run's metrics.jsonl, TensorBoard / W&B and progress bar over the recipe's ``t.steps`` (RL
+    counts rollout steps, not updates), from ``t.start``; a fresh run logs ``first`` (its data
+    counts) at step 0, a resumed one says where it resumed from."""
+    out = build.tracker_for(run.cfg.logging, run.run_dir, total_steps=t.steps, start_step=t.start,
                             desc=desc, bar_keys=bar_keys)
     if t.start:
         out.write(f"resumed from {t.ckpt} at step {t.start}")
@@ -237,7 +243,7 @@ def offline_facts(run: Run, total_steps: int, steps_per_epoch: int, data_metrics
 
 def steps(t: Trainer) -> range:
     """The steps still to run."""
-    return range(t.start + 1, t.total_steps + 1)
+    return range(t.start + 1, t.steps + 1)
 
 
 def optimizer_step(t: Trainer, max_grad_norm: float) -> dict[str, float]:
@@ -278,7 +284,7 @@ def log(run: Run, out: Tracker, save: Callable[[int], None], step: int, metrics:
 
 def save_last(run: Run, t: Trainer, save: Callable[[int], None]) -> Path | None:
     """The last step saved unless it already is (or ``checkpoint.save_final`` is off); the newest checkpoint."""
-    return save_final(run.run_dir, save, total_steps=t.total_steps, start_step=t.start,
+    return save_final(run.run_dir, save, total_steps=t.steps, start_step=t.start,
                       save_final=run.cfg.checkpoint.save_final)
 
 

@@ -38,7 +38,7 @@ import torch
 
 from .. import banner, distributed, rundir, watchdog
 from ..algorithms.policy_losses import behaviour_weights
-from ..checkpoint import gather_train_state, load_checkpoint, load_model_weights, restore_optimizer, save_final
+from ..checkpoint import gather_train_state, load_checkpoint, load_model_weights, restore_optimizer
 from ..models import varlen
 from ..models.budget import CPU_TOKENS, device_tokens
 from ..models.loading import load_model_tokenizer, trainable_parameters
@@ -95,6 +95,8 @@ class _Run:
     """Where a response's steps end (VinePPO)."""
     probe: list[list[int]] | None = None
     """The sync check's fixed sequences (None: the engine holds the policy's own tensors, or the check is off)."""
+    trainer: frame.Trainer | None = None
+    """The policy's frame trainer: its steps (the rollout steps, not the updates) and its save tail."""
 
 
 @dataclass
@@ -186,7 +188,7 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
     banner.start("rl", cfg, model=policy, **_facts(cfg, collector, run))
     # ---- optimizer: the schedule counts every planned update, ppo_epochs x mini_batches per step
     tr = frame.trainable(run, policy, ckpt=ckpt, rows=len(collector), batch_size=cfg.prompts_per_step,
-                         total_steps=cfg.max_steps * a.ppo_epochs * a.mini_batches, weights_loaded=True)
+                         total_steps=cfg.max_steps * a.ppo_epochs * a.mini_batches, weights_loaded=True, steps=cfg.max_steps)
     def collect() -> tuple[list, dict[str, float]]:  # the next batch in draw order, and its collection statistics
         groups = collector.collect(tr.sampler, cfg.prompts_per_step, a.dynamic_sampling, a.max_sampling_rounds)
         return groups, dict(collector.last)
@@ -199,7 +201,7 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
     evaluator = None
     if cfg.eval.every and distributed.is_main():  # held-out accuracy through the engine (rank 0)
         evaluator = build.evaluator_for(cfg.eval, t, ro, tok, run.run_dir, seed=cfg.seed)
-    tracker = frame.tracker(run, tr, desc="rl", total_steps=cfg.max_steps,
+    tracker = frame.tracker(run, tr, desc="rl",
                             bar_keys=("reward/mean", "reward/score", "actor/kl", "response/length_mean", "perf/tokens_per_s",
                                       "perf/mfu"))
     layout = _layout(cfg, tr.model, run.device, pack=pack, share=share)
@@ -209,7 +211,7 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
     if ro.sync_check_tol > 0 and can_check(engine, tr.model):
         probe = probe_sequences([ids for _, ids, _ in collector.records])
     r = _Run(tok, tr.model, ref, critic, engine, collector, tr.sampler, tr.optimizer, tr.scheduler, critic_opt, layout,
-             loss_fn, estimator, options, tracker, evaluator, tr.start, ahead, delimiter, probe)
+             loss_fn, estimator, options, tracker, evaluator, tr.start, ahead, delimiter, probe, tr)
     _sync_check(r, cfg, tr.start)  # the weights the engine starts from (vLLM's first push): wrong ones cost no step
     return r, frame.saver(run, tr, tok, extra=state.save)
 
@@ -252,7 +254,7 @@ def train(cfg: Config) -> RunResult:
     bad_in_a_row, skipped_steps, status, metrics = 0, 0, "completed", {}
     t_train = time.perf_counter()
     try:
-        for step in range(r.start + 1, cfg.max_steps + 1):
+        for step in frame.steps(r.trainer):
             clock = StageClock(STAGES + r.ahead.stages, device)
             version = step - 1  # the updates applied so far: the version of the weights that sample now
             with clock("rollout"):  # 1. batch `step`; batches up to step + s sampled now, or (overlap) from now on
@@ -295,7 +297,7 @@ def train(cfg: Config) -> RunResult:
                 status = stop
                 break
         else:
-            save_final(run_dir, save, total_steps=cfg.max_steps, start_step=r.start, save_final=cfg.checkpoint.save_final)
+            frame.save_last(run, r.trainer, save)
     finally:
         r.collector.close()
         if r.evaluator is not None:
