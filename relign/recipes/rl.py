@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,7 +48,7 @@ from ..rollout.traces import write_traces
 from ..rollout.weights import engine_weights
 from ..tracking import StageClock
 from . import RunResult, build, frame
-from .rl_advantages import ESTIMATORS, AdvantageOptions, Estimator
+from .rl_advantages import ESTIMATORS, AdvantageOptions
 # the recipe's config lives beside it (rl_config.py); rl.Config & co. stay its public names
 from .rl_config import (  # noqa: F401
     AlgorithmConfig, Config, CriticConfig, EvalDuringTrainingConfig, LearnedRewardConfig, RolloutConfig, TaskConfig,
@@ -56,47 +56,12 @@ from .rl_config import (  # noqa: F401
 )
 from .rl_config import check as _check
 from .rl_config import check_budget
-from .rl_stages import batch_of, critic_for, reference_logps, rewards_of, step_metrics, trainer_mfu, values_of
+from .rl_stages import RLRun, batch_of, critic_for, reference_logps, rewards_of, step_metrics, trainer_mfu, values_of
 from .rl_update import ActorLoss, Layout, Stats, behaviour_stats, plan, score_logps, trpo_update, update_critic, update_policy
 
-if TYPE_CHECKING:  # the run's parts, named in _Run and RLState only
-    from ..data.collate import StepSampler
-    from ..evaluate import PeriodicEval
+if TYPE_CHECKING:  # named in RLState only
     from ..models.value import ValueModel
-    from ..rollout.collect import RolloutCollector
     from ..rollout.engine import Engine
-    from ..tracking import Tracker
-
-
-@dataclass
-class _Run:
-    """Everything ``train`` drives; built once by ``_setup``."""
-
-    tok: Any
-    policy: torch.nn.Module
-    ref: torch.nn.Module | None
-    critic: ValueModel | None
-    engine: Engine
-    collector: RolloutCollector
-    sampler: StepSampler
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    critic_opt: torch.optim.Optimizer | None
-    layout: Layout
-    loss_fn: ActorLoss
-    estimator: Estimator
-    options: AdvantageOptions
-    tracker: Tracker
-    evaluator: PeriodicEval | None
-    start: int
-    ahead: RolloutAhead
-    """The batches sampled ahead of the update (rollout.max_staleness), restored on resume."""
-    step_delimiter: str = ""
-    """Where a response's steps end (VinePPO)."""
-    probe: list[list[int]] | None = None
-    """The sync check's fixed sequences (None: the engine holds the policy's own tensors, or the check is off)."""
-    trainer: frame.Trainer | None = None
-    """The policy's frame trainer: its steps (the rollout steps, not the updates) and its save tail."""
 
 
 @dataclass
@@ -159,7 +124,7 @@ def _layout(cfg: Config, model, device, *, pack: bool, share: bool) -> Layout:
                   max_length=t.max_prompt_length + (ro.max_response_tokens or ro.max_new_tokens * ro.max_turns))
 
 
-def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
+def _setup(cfg: Config, run: frame.Run) -> tuple[RLRun, Callable[[int], None]]:
     a, ro, m, t = cfg.algorithm, cfg.rollout, cfg.model, cfg.task
     task, estimator, delimiter = _resolve(cfg)
     # ---- models: weights (a resumed run's) are loaded before sharding and before the engine's replica
@@ -210,7 +175,7 @@ def _setup(cfg: Config, run: frame.Run) -> tuple[_Run, Callable[[int], None]]:
     probe = None
     if ro.sync_check_tol > 0 and can_check(engine, tr.model):
         probe = probe_sequences([ids for _, ids, _ in collector.records])
-    r = _Run(tok, tr.model, ref, critic, engine, collector, tr.sampler, tr.optimizer, tr.scheduler, critic_opt, layout,
+    r = RLRun(tok, tr.model, ref, critic, engine, collector, tr.sampler, tr.optimizer, tr.scheduler, critic_opt, layout,
              loss_fn, estimator, options, tracker, evaluator, tr.start, ahead, delimiter, probe, tr)
     _sync_check(r, cfg, tr.start)  # the weights the engine starts from (vLLM's first push): wrong ones cost no step
     return r, frame.saver(run, tr, tok, extra=state.save)
@@ -322,7 +287,7 @@ def _rollout_time(clock: StageClock, sampled: list[Sampled]) -> None:
     clock.seconds["rollout"] -= clock.seconds["reward"]
 
 
-def _sync_check(run: _Run, cfg: Config, step: int) -> dict[str, float]:
+def _sync_check(run: RLRun, cfg: Config, step: int) -> dict[str, float]:
     """After the sync (rollout/sync_check.py): the weight fingerprints must agree and the probe's engine-vs-trainer
     log-prob gap stay under the tolerance, else SyncMismatch stops the run. Returns the gap as a metric."""
     if run.probe is None:
@@ -332,7 +297,7 @@ def _sync_check(run: _Run, cfg: Config, step: int) -> dict[str, float]:
     return {"rollout/sync_gap": gap}
 
 
-def _stop_or_save(run: _Run, cfg: Config, step: int, save: Callable[[int], None], *, bad_in_a_row: int,
+def _stop_or_save(run: RLRun, cfg: Config, step: int, save: Callable[[int], None], *, bad_in_a_row: int,
                   t_train: float) -> str:
     """The step's end: the status to stop with ("" to go on), a checkpoint saved when stopping or due."""
     status = ""
@@ -361,7 +326,7 @@ def _mini_batches(n_groups: int, G: int, mini_batches: int, generator: torch.Gen
     return [part.flatten() for part in torch.tensor_split(rows, mini_batches)]
 
 
-def _update(run: _Run, cfg: Config, step: int, batch, advantages, returns, old_logps, ref_logps, values) -> tuple[Stats, int]:
+def _update(run: RLRun, cfg: Config, step: int, batch, advantages, returns, old_logps, ref_logps, values) -> tuple[Stats, int]:
     """ppo_epochs x mini_batches updates of the policy (and of the critic on the same mini-batches)."""
     a = cfg.algorithm
     tis = None
@@ -393,7 +358,7 @@ def _update(run: _Run, cfg: Config, step: int, batch, advantages, returns, old_l
     return stats, skipped
 
 
-def _skip_step(run: _Run, cfg: Config, step: int, skipped_steps: int, clock: StageClock) -> None:
+def _skip_step(run: RLRun, cfg: Config, step: int, skipped_steps: int, clock: StageClock) -> None:
     with warnings.catch_warnings():  # torch warns of a schedule step before any optimizer step: intended here
         warnings.simplefilter("ignore", UserWarning)
         for _ in range(cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches):

@@ -1,11 +1,12 @@
 """The RL step's stages beside the loop (``recipes/rl.py``): the critic, the batch, the reference
 and the values, the shaped rewards, and the step's metrics and MFU. Each reads the run's models and
-collector (``rl._Run``) and the config, and returns tensors or metrics; the loop decides when each runs.
+collector (``RLRun``) and the config, and returns tensors or metrics; the loop decides when each runs.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,8 +26,46 @@ from .rl_advantages import Rewards, shaped_rewards
 from .rl_config import AlgorithmConfig, Config
 from .rl_update import Layout, Stats, behaviour_spread, score_logps, score_values
 
-if TYPE_CHECKING:
-    from .rl import _Run as RLRun
+if TYPE_CHECKING:  # the run's parts, named in RLRun only
+    from ..data.collate import StepSampler
+    from ..evaluate import PeriodicEval
+    from ..rollout.collect import RolloutCollector
+    from ..rollout.engine import Engine
+    from ..rollout.queue import RolloutAhead
+    from ..tracking import Tracker
+    from .rl_advantages import AdvantageOptions, Estimator
+    from .rl_update import ActorLoss
+
+
+@dataclass
+class RLRun:
+    """Everything ``rl.train`` drives; built once by ``rl._setup``."""
+
+    tok: Any
+    policy: torch.nn.Module
+    ref: torch.nn.Module | None
+    critic: ValueModel | None
+    engine: Engine
+    collector: RolloutCollector
+    sampler: StepSampler
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    critic_opt: torch.optim.Optimizer | None
+    layout: Layout
+    loss_fn: ActorLoss
+    estimator: Estimator
+    options: AdvantageOptions
+    tracker: Tracker
+    evaluator: PeriodicEval | None
+    start: int
+    ahead: RolloutAhead
+    """The batches sampled ahead of the update (rollout.max_staleness), restored on resume."""
+    step_delimiter: str = ""
+    """Where a response's steps end (VinePPO)."""
+    probe: list[list[int]] | None = None
+    """The sync check's fixed sequences (None: the engine holds the policy's own tensors, or the check is off)."""
+    trainer: frame.Trainer | None = None
+    """The policy's frame trainer: its steps (the rollout steps, not the updates) and its save tail."""
 
 
 def critic_for(cfg: Config, ckpt, device) -> tuple[ValueModel, torch.optim.Optimizer]:
