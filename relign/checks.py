@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .config import SCHEDULES, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, OptimConfig, PreferenceDataConfig
+from .config import DTYPES, SCHEDULES, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, OptimConfig, PreferenceDataConfig
 from .errors import ConfigError
 
 
@@ -96,14 +96,13 @@ def check_wandb(lg: LoggingConfig) -> None:
                               "'relign[wandb]' (or set logging.wandb=false)")
 
 
-DTYPE_CHOICES = ("fp32", "float32", "bf16", "bfloat16", "bf16-mixed", "bf16-compute")
 COMPILE_CHOICES = ("auto", "true", "false")  # model.compile (relign.models.loading.compile_enabled)
 
 
 def check_compute_weights(dtype: str, gradient_checkpointing: bool) -> None:
     """``model.dtype=bf16-compute``'s limits in this version (``models.precision``): one process,
     no gradient checkpointing."""
-    if dtype != "bf16-compute":
+    if dtype not in DTYPES or DTYPES[dtype].mode != "cast":
         return
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's; read here without importing torch
         raise ConfigError(f"model.dtype={dtype} runs on one process in this version; under torchrun use "
@@ -117,10 +116,10 @@ def check_common(cfg: Any) -> None:
     """The shared sections a recipe config has (model, data, optim, checkpoint, logging)."""
     m = getattr(cfg, "model", None)
     if isinstance(m, ModelConfig):
-        check_choice("model.dtype", m.dtype, DTYPE_CHOICES)
+        check_choice("model.dtype", m.dtype, tuple(DTYPES))
         check_choice("model.compile", str(m.compile).lower(), COMPILE_CHOICES)
         check_compute_weights(m.dtype, m.gradient_checkpointing)
-        if m.dtype in ("bf16", "bfloat16") and not m.lora.enabled and isinstance(getattr(cfg, "optim", None), OptimConfig):
+        if DTYPES[m.dtype].param == "bfloat16" and not m.lora.enabled and isinstance(getattr(cfg, "optim", None), OptimConfig):
             warnings.warn(
                 f"model.dtype={m.dtype} trains bf16 weights: an AdamW update smaller than about |w|/256 rounds to "
                 "nothing (at lr 1e-6 most do). model.dtype=bf16-mixed keeps fp32 weights and computes in bf16.",

@@ -21,7 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config import DTYPES
 from .errors import ConfigError
+
+_BYTES = {"float32": 4, "bfloat16": 2}  # a torch dtype's name -> its bytes
 
 GiB = 2**30
 CHUNK_TOKENS = 4096  # models/logprobs.DEFAULT_CHUNK_TOKENS: the log-softmax runs this many positions at a time
@@ -233,16 +236,18 @@ class Precision:
     name: str
     param: int
     compute: int
+    mode: str = ""
+    """The row's compute mode (``config.DTYPES``): "", "autocast" or "cast"."""
 
     @property
     def mixed(self) -> bool:
         """bf16-mixed: fp32 weights, bf16 products under autocast (the residual stream and norms fp32)."""
-        return self.name == "bf16-mixed"
+        return self.mode == "autocast"
 
     @property
     def cast(self) -> bool:
         """bf16-compute: fp32 weights, the forward on bf16 copies of all of them, everything in bf16."""
-        return self.name == "bf16-compute"
+        return self.mode == "cast"
 
     @property
     def activation(self) -> int:
@@ -252,12 +257,9 @@ class Precision:
     @classmethod
     def of(cls, dtype: str) -> Precision:
         """``model.dtype``'s bytes (``models/precision.py``)."""
-        if dtype in ("fp32", "float32"):
-            return cls(dtype, 4, 4)
-        if dtype in ("bf16", "bfloat16"):
-            return cls(dtype, 2, 2)
-        if dtype in ("bf16-mixed", "bf16-compute"):
-            return cls(dtype, 4, 2)
+        if dtype in DTYPES:
+            row = DTYPES[dtype]
+            return cls(dtype, _BYTES[row.param], _BYTES[row.compute], row.mode)
         raise ConfigError(f"bad value for 'model.dtype': {dtype!r}; choose one of fp32, bf16, bf16-mixed, bf16-compute")
 
 

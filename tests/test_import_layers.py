@@ -79,6 +79,34 @@ def test_a_package_whose_init_imports_a_module_that_imports_the_package_back_is_
     assert code_shape.cycles(code_shape.scan(root)) == []
 
 
+def test_no_choice_is_told_by_its_name_outside_its_table(shape):
+    """What a task, an estimator, a strategy, a loss or a dtype does is in its table's row
+    (``TASKS["custom"].from_file``, ``ESTIMATORS[a].values``): nothing outside compares its name."""
+    assert {"TASKS", "ESTIMATORS", "STRATEGIES", "PAIR_LOSSES", "POLICY_LOSSES", "DTYPES", "PLANNERS"} <= set(shape.tables)
+    assert [f"{m}:{line} {text} ({t})" for m, line, text, t in shape.name_tests] == []
+
+
+def test_the_name_count_sees_a_name_test_by_field_lookup_and_check(tmp_path):
+    """The count above, on a package made for it: a key compared through each of the ways a field is
+    tied to its table, and what it leaves alone (a name list, a dict of scalars, another field's value)."""
+    root = _package(tmp_path, {
+        "tables": ('ROWS = {"alpha": Row(1), "beta": Row(2)}\n'      # a table of rows, looked up by `kind`
+                   'SCALARS = {"alpha": 1.0}\n'                        # scalars: not a table of rows
+                   'NAMES = ("alpha", "gamma")\n'                      # names only: not a table of rows
+                   'def row(kind):\n    return ROWS[kind]\n'),
+        "use": ('def f(cfg, kind, name, other):\n'
+                '    a = cfg.kind == "alpha"\n'                         # by the lookup's field
+                '    b = name in ("beta", "zeta")\n'                    # by check_choice's field
+                '    c = cfg.row != "alpha"\n'                          # by the table's singular
+                '    d = other == "alpha"\n'                            # another field: left alone
+                '    e = cfg.kind == "gamma"\n'                         # not a key: left alone
+                '    check_choice("x.name", name, tuple(ROWS))\n'),
+    })
+    shape = code_shape.scan(root)
+    assert set(shape.tables) == {"ROWS"}
+    assert [(m, line) for m, line, _, _ in shape.name_tests] == [("relign.use", 2), ("relign.use", 3), ("relign.use", 4)]
+
+
 def test_the_architecture_page_quotes_the_tools_figures(shape):
     """docs/architecture.md's shape block is ``python tools/code_shape.py``'s output, as it is today."""
     from .conftest import REPO

@@ -1,5 +1,5 @@
 """The shape of relign's code, counted: import cycles, imports that run back up the floors, imports
-inside functions, and the longest functions.
+inside functions, the longest functions, and tests of a choice's name outside its table.
 
     python tools/code_shape.py            # the summary
     python tools/code_shape.py --verbose  # every cycle, upward import, in-function import and long function
@@ -9,6 +9,14 @@ How it counts (``docs/architecture.md``, "Floors"): every ``relign/**/*.py`` is 
 it loads (``y`` itself when it is a submodule). Imports inside functions count, ``if TYPE_CHECKING:``
 ones do not (they never run). A cycle is a strongly connected component of that graph with more than
 one module. ``tests/test_import_layers.py`` runs this on every test run.
+
+A *choice table* is a module-level ``UPPER_CASE`` dict whose keys are the names a setting takes and
+whose values are its rows, all of one kind (``TASKS = {"gsm8k": TaskRow(...), ...}``): what a choice
+does lives in its row. A *test of a choice's name* is a comparison (``==``, ``!=``, ``in``,
+``not in``) of a table's key with an expression naming that choice's field: a field the table is
+looked up by (``TASKS[name]``, ``name in TASKS``), checked against (``check_choice("x.advantage",
+a.advantage, tuple(ESTIMATORS))``), or the table's singular (``task`` for ``TASKS``). Such a test,
+anywhere but in the table itself, is a row's property decided by its name.
 """
 
 from __future__ import annotations
@@ -53,6 +61,16 @@ class Shape:
     imports: list[Import] = field(default_factory=list)
     functions: list[tuple[int, str, str, int]] = field(default_factory=list)  # (lines, module, name, first line)
     in_function_imports: int = 0  # every import statement inside a function (relign's own or not)
+    tables: dict[str, Table] = field(default_factory=dict)
+    name_tests: list[tuple[str, int, str, str]] = field(default_factory=list)  # (module, line, text, tables)
+
+
+@dataclass
+class Table:
+    module: str
+    keys: set[str]
+    fields: set[str]
+    node: ast.AST
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -123,7 +141,81 @@ def scan(root: Path = ROOT) -> Shape:
             return out or [base]
 
         visit(tree, "")
+    trees = {module_name(f, root): ast.parse(f.read_text(), filename=str(f)) for f in files}
+    shape.tables = choice_tables(trees)
+    shape.name_tests = name_tests(trees, shape.tables)
     return shape
+
+
+def _last_name(e: ast.AST) -> str:
+    """``cfg.rollout.engine`` -> ``engine``; ``name`` -> ``name``; anything else -> ""."""
+    return e.attr if isinstance(e, ast.Attribute) else e.id if isinstance(e, ast.Name) else ""
+
+
+def _names(e: ast.AST) -> list[str]:
+    """The string constants ``e`` is: one, or a tuple / list / set of them ([] otherwise)."""
+    if isinstance(e, ast.Constant) and isinstance(e.value, str):
+        return [e.value]
+    if isinstance(e, (ast.Tuple, ast.List, ast.Set)) and all(
+            isinstance(x, ast.Constant) and isinstance(x.value, str) for x in e.elts):
+        return [x.value for x in e.elts]
+    return []
+
+
+def _singular(name: str) -> str:
+    low = name.lower()
+    if low.endswith("ies"):
+        return low[:-3] + "y"  # STRATEGIES -> strategy
+    if low.endswith("sses"):
+        return low[:-2]  # PAIR_LOSSES -> pair_loss
+    return low[:-1] if low.endswith("s") else low
+
+
+def choice_tables(trees: dict[str, ast.Module]) -> dict[str, Table]:
+    tables: dict[str, Table] = {}
+    for mod, tree in trees.items():
+        for node in tree.body:
+            target, value = None, None
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                target, value = node.targets[0].id, node.value
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+                target, value = node.target.id, node.value
+            if not (target and target.isupper() and isinstance(value, ast.Dict) and value.keys):
+                continue
+            keys = [_names(k) if k is not None else [] for k in value.keys]
+            kinds = {type(v) for v in value.values}
+            if all(len(k) == 1 for k in keys) and len(kinds) == 1 and ast.Constant not in kinds:
+                tables[target] = Table(mod, {k[0] for k in keys}, {_singular(target)}, node)
+    for tree in trees.values():  # the fields each table is looked up by, or checked against
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id in tables:
+                tables[n.value.id].fields.add(_last_name(n.slice))
+            elif (isinstance(n, ast.Compare) and len(n.ops) == 1 and isinstance(n.ops[0], (ast.In, ast.NotIn))
+                  and isinstance(n.comparators[0], ast.Name) and n.comparators[0].id in tables):
+                tables[n.comparators[0].id].fields.add(_last_name(n.left))
+            elif isinstance(n, ast.Call) and _last_name(n.func) == "check_choice" and len(n.args) >= 3:
+                for x in ast.walk(n.args[2]):
+                    if isinstance(x, ast.Name) and x.id in tables:
+                        tables[x.id].fields.add(_last_name(n.args[1]))
+    for t in tables.values():
+        t.fields.discard("")
+    return tables
+
+
+def name_tests(trees: dict[str, ast.Module], tables: dict[str, Table]) -> list[tuple[str, int, str, str]]:
+    out = []
+    for mod, tree in trees.items():
+        inside = {id(x) for t in tables.values() if t.module == mod for x in ast.walk(t.node)}
+        for n in ast.walk(tree):
+            if not (isinstance(n, ast.Compare) and id(n) not in inside and len(n.ops) == 1
+                    and isinstance(n.ops[0], (ast.Eq, ast.NotEq, ast.In, ast.NotIn))):
+                continue
+            hit = sorted({tname for a, b in ((n.left, n.comparators[0]), (n.comparators[0], n.left))
+                          for tname, t in tables.items()
+                          if _last_name(a) in t.fields and set(_names(b)) & t.keys})
+            if hit:
+                out.append((mod, n.lineno, ast.unparse(n), ", ".join(hit)))
+    return sorted(out)
 
 
 def _known(target: str, modules: dict[str, Path]) -> str:
@@ -228,6 +320,8 @@ def summary(shape: Shape) -> dict[str, object]:
         "functions over 60 lines": sum(n > 60 for n, *_ in shape.functions),
         "longest recipe train()": f"{trains[0][0]} lines ({trains[0][1]}.train)" if trains else "none",
         "relign modules imported by one file (most)": f"{widest[0]} ({widest[1]})" if widest else "none",
+        "choice tables": len(shape.tables),
+        "tests of a choice's name outside its table": len(shape.name_tests),
     }
 
 
@@ -250,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
             if i.in_function and (i.source, i.line) not in seen:
                 seen.add((i.source, i.line))
                 print(f"in function: {i.source}:{i.line} {i.in_function}(): {i.text}")
+        for name, t in sorted(shape.tables.items()):
+            print(f"table: {t.module}.{name} (fields {', '.join(sorted(t.fields))})")
+        for mod, line, text, table in shape.name_tests:
+            print(f"name test: {mod}:{line} {text} (a key of {table})")
         for n, mod, name, line in sorted(shape.functions, reverse=True)[: args.top]:
             print(f"long: {n} {mod}.{name} (line {line})")
     return 0

@@ -100,6 +100,11 @@ def get_task(name_or_spec: str, **kwargs: Any) -> Task:
     return task
 
 
+def from_file(name: str) -> bool:
+    """Whether the registered task ``name`` reads the user's own file (``task.path``, ``task.reward_fn``)."""
+    return name in TASKS and TASKS[name].from_file
+
+
 def is_multi_turn(name: str) -> bool:
     """Whether the registered task ``name`` runs its episodes in a multi-turn environment."""
     return name in TASKS and not TASKS[name].from_file and TASKS[name].factory().env is not None
@@ -195,4 +200,4 @@ def encode_problems(tokenizer, records: list[dict], *, max_prompt_length: int = 
     return problems, skipped_long
 
 
-__all__ = ["TASKS", "Problem", "TaskRow", "build_task", "encode_problems", "get_task", "is_multi_turn", "problem_text", "render_prompt"]
+__all__ = ["TASKS", "Problem", "TaskRow", "build_task", "encode_problems", "from_file", "get_task", "is_multi_turn", "problem_text", "render_prompt"]

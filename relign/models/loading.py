@@ -17,22 +17,19 @@ import torch
 from torch.nn.modules.dropout import _DropoutNd
 
 from ..checks import COMPILE_CHOICES, check_compute_weights
+from ..config import DTYPES
 from ..errors import ConfigError
 from . import lean, precision
 from .tiny import SIZES, build_tiny_model
 
 log = logging.getLogger(__name__)
 
-# Parameter dtypes; bf16-mixed and bf16-compute keep fp32 parameters and compute in bf16 (models/precision.py).
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "bf16-mixed": torch.float32, "bf16-compute": torch.float32}
-
-
 def resolve_dtype(name: str) -> torch.dtype:
-    """The parameter dtype of ``model.dtype`` = ``name``."""
+    """The parameter dtype of ``model.dtype`` = ``name`` (bf16-mixed and bf16-compute keep fp32
+    parameters and compute in bf16: models/precision.py)."""
     if name not in DTYPES:
         raise ConfigError(f"bad value for 'model.dtype': {name!r}; choose one of fp32, bf16, bf16-mixed, bf16-compute")
-    return DTYPES[name]
+    return getattr(torch, DTYPES[name].param)
 
 
 def resolve_device(name: str = "auto") -> torch.device:

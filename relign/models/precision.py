@@ -38,8 +38,8 @@ import types
 
 import torch
 
-MIXED = {"bf16-mixed": torch.bfloat16}
-COMPUTE = {"bf16-compute": torch.bfloat16}  # fp32 weights, the forward on bf16 copies of all of them
+from ..config import DTYPES
+
 ATTR = "_relign_autocast"  # the compute dtype, set on each module whose forward is wrapped
 CAST_ATTR = "_relign_compute_weights"  # True on a module whose forward runs on cast copies (bf16-compute)
 _CASTING = contextvars.ContextVar("relign_casting", default=False)  # inside a forward that cast the weights
@@ -47,7 +47,8 @@ _CASTING = contextvars.ContextVar("relign_casting", default=False)  # inside a f
 
 def autocast_dtype(name: str) -> torch.dtype | None:
     """The compute dtype of ``model.dtype`` = ``name`` when it is a mixed mode, else None."""
-    return MIXED.get(name)
+    row = DTYPES.get(name)
+    return getattr(torch, row.compute) if row is not None and row.mode == "autocast" else None
 
 
 def _autocast_forward(self, *args, **kwargs):
@@ -108,10 +109,11 @@ def enable_compute_weights(model: torch.nn.Module, dtype: torch.dtype = torch.bf
 def enable(model: torch.nn.Module, name: str) -> torch.nn.Module:
     """``model.dtype`` = ``name``'s compute mode on ``model``: autocast (bf16-mixed), cast weights
     (bf16-compute), or nothing (fp32, bf16: the parameters' own dtype)."""
-    if name in MIXED:
-        return enable_autocast(model, MIXED[name])
-    if name in COMPUTE:
-        return enable_compute_weights(model, COMPUTE[name])
+    row = DTYPES.get(name)
+    if row is not None and row.mode == "autocast":
+        return enable_autocast(model, getattr(torch, row.compute))
+    if row is not None and row.mode == "cast":
+        return enable_compute_weights(model, getattr(torch, row.compute))
     return model
 
 

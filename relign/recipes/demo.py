@@ -37,9 +37,9 @@ import torch
 from .. import banner, distributed, rundir
 from ..checkpoint import atomic_write_text, list_checkpoints
 from ..checks import check_choice, check_model_path, check_non_negative, check_wandb
-from ..config import ConfigError, LoggingConfig, ModelConfig, load_config
+from ..config import DTYPES, ConfigError, LoggingConfig, ModelConfig, load_config
 from ..envs import arith
-from ..envs.tasks import get_task, is_multi_turn
+from ..envs.tasks import from_file, get_task, is_multi_turn
 from ..evaluate import evaluate, write_samples
 from ..models.loading import load_causal_lm, load_tokenizer, resolve_device, resolve_model_path
 from ..models.tiny import SIZES
@@ -140,7 +140,7 @@ def _check(cfg: Config) -> None:
         raise ConfigError("demo.steps and demo.eval_samples must be >= 1; demo.sft_steps, demo.eval_every, demo.threads >= 0")
     if d.group_size < 2 or d.prompts_per_step < 1 or d.sft_batch_size < 1:
         raise ConfigError("demo.group_size must be >= 2 (GRPO compares samples of a problem); prompts_per_step, sft_batch_size >= 1")
-    if d.dtype not in ("fp32", "bf16", "bf16-mixed"):
+    if d.dtype not in DTYPES or DTYPES[d.dtype].mode == "cast":  # bf16-compute: not in the demo's stages
         raise ConfigError(f"bad value for 'demo.dtype': {d.dtype!r}; choose one of fp32, bf16, bf16-mixed")
     check_choice("demo.engine", d.engine, ENGINES)
     if d.engine == "vllm":  # before the run directory exists
@@ -154,7 +154,7 @@ def _check(cfg: Config) -> None:
         if d.train_problems < d.prompts_per_step or d.test_problems < 1:
             raise ConfigError("demo.train_problems must be >= demo.prompts_per_step and demo.test_problems >= 1")
         return
-    if d.task == "custom" or is_multi_turn(d.task):
+    if from_file(d.task) or is_multi_turn(d.task):
         raise ConfigError(f"demo.task={d.task} is not supported: give a single-turn task name or a 'module:factory' spec")
     if not d.train_path and d.task not in KNOWN_TRAIN:
         raise ConfigError(f"demo.task={d.task}: set demo.train_path to its training prompts (known defaults: {', '.join(KNOWN_TRAIN)})")

@@ -361,7 +361,7 @@ def _check_search(cfg: Config, task: Task) -> list[tuple[str, Budget]]:
     if any(STRATEGIES[n].tree for n in names) and not (cfg.search.answer_marker or task.answer_marker):
         raise ConfigError(f"task '{task.name}' has no answer marker, which step_beam and mcts need to tell a final step: "
                           "set search.answer_marker (e.g. '####')")
-    if cfg.search.temperature <= 0 and any(n != "cot" for n in names):
+    if cfg.search.temperature <= 0 and any(STRATEGIES[n].samples_cap != 1 for n in names):
         raise ConfigError("search.temperature must be > 0: every strategy but cot draws several different samples")
     b = cfg.budget
     budgets = list(cfg.sweep.budgets) or [b.max_generated_tokens]

@@ -1,6 +1,6 @@
 """The frame around every trainer: open the run, make a model trainable, save, step, close.
 
-    run = frame.open(cfg, "sft", check=_check)          distributed.init, the checks, device, seed, run directory
+    run = frame.open(cfg, "sft", check=_check)          distributed.init, the checks (and resolve), device, plan, seed, run directory
     t = frame.trainable(run, model, ckpt=..., rows=..., total_steps=...)
                                                          resumed weights, FSDP, data order, AdamW + schedule, resume
     save = frame.saver(run, t, tok)                      gather (a collective), atomic checkpoint, barrier
@@ -60,6 +60,8 @@ class Run:
     t_start: float = field(default_factory=time.perf_counter)
     peak: float | None = None
     """Peak FLOP/s of one device (``logging.peak_tflops`` or the GPU's name), None when unknown: no ``perf/mfu``."""
+    resolved: Any = None
+    """What the recipe's ``resolve`` step returned (``frame.open``): RL's task, estimator and delimiter."""
 
     @property
     def rank(self) -> int:
@@ -95,11 +97,14 @@ class Trainer:
         self.steps = self.steps or self.total_steps
 
 
-def open(cfg: Any, recipe: str, *, check: Callable[[Any], Any] | None = None, seed: int | None = None,
-         config_name: str = "config.yaml") -> Run:
-    """Start a run: the process group (torchrun), ``check(cfg)`` before anything is read, the
-    device, every random stream seeded (``seed``, default ``cfg.seed``), and the run directory
-    (a fresh one unless resuming the same run: ``relign.rundir``). A collective under torchrun."""
+def open(cfg: Any, recipe: str, *, check: Callable[[Any], Any] | None = None,
+         resolve: Callable[[Any], Any] | None = None, seed: int | None = None, config_name: str = "config.yaml") -> Run:
+    """Start a run: the process group (torchrun), ``check(cfg)`` before anything is read, then
+    ``resolve(cfg)``: what the config leaves to its data, settled in ``cfg`` before the memory plan
+    reads it and before the run directory records it (RL's ``rollout.max_turns=0``: the
+    environment's own limit), its result kept as ``run.resolved``; the device, every random stream
+    seeded (``seed``, default ``cfg.seed``), and the run directory (a fresh one unless resuming the
+    same run: ``relign.rundir``). A collective under torchrun."""
     t_start = time.perf_counter()
     distributed.init(wait_timeout=getattr(getattr(cfg, "rollout", None), "wait_timeout", 0.0))  # rl's deadline
     par = getattr(cfg, "parallel", None)  # the trainers' (dp, cp, tp) mesh; eval, rest and demo have none
@@ -108,11 +113,12 @@ def open(cfg: Any, recipe: str, *, check: Callable[[Any], Any] | None = None, se
         distributed.init_mesh(par.tp_size, par.cp_size)
     if check is not None:
         check(cfg)
+    resolved = resolve(cfg) if resolve is not None else None
     device = resolve_device(cfg.device)
     memory.check(cfg, recipe, device)  # the predicted peak against the device, before any weights load (relign plan)
     seed_everything(cfg.seed if seed is None else seed)
     run_dir = open_run(cfg, recipe, config_name=config_name)
-    return Run(cfg, recipe, run_dir, device, t_start, peak_flops(device, cfg.logging.peak_tflops))
+    return Run(cfg, recipe, run_dir, device, t_start, peak_flops(device, cfg.logging.peak_tflops), resolved)
 
 
 CP_RECIPES = ("sft", "dpo", "rl")

@@ -31,6 +31,7 @@ from ..models.flops import ModelFlops
 from ..models.loading import check_model_source, compile_enabled, from_pretrained_checked, resolve_model_path
 from ..models.varlen import SUPPORTED
 from ..rundir import dry_run_requested, is_nested, set_memory_plan
+from .rl_advantages import ESTIMATORS
 
 # --------------------------------------------------------------------------- the model
 
@@ -241,31 +242,31 @@ def _eval_rows(cfg: Any) -> bool:
     return bool(d.eval_path or d.eval_fraction > 0)
 
 
-def plan_sft(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1, *, recipe: str = "sft") -> P.Plan:
+def plan_sft(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1, *, pairs: bool = False) -> P.Plan:
     """SFT (``recipes/sft.py``): micro-batches of ``micro_batch_size`` rows of ``data.max_length``
     tokens (packed: one row; else padded), every position after each row's first scored; the
     held-out loss in padded batches of ``eval_batch_size`` rows. The reward model (``rm``) is the
-    same with pairs (two rows each) and a scalar head instead of the logits."""
+    same with ``pairs`` (two rows each, padded) and a scalar head instead of the logits."""
     dp, cp, tp = _ranks(cfg, world)
     model = Model(cfg.model, shape, tp=tp, dp=dp * cp, device=_type(device))
     Lmax = cfg.data.max_length
-    lm = recipe == "sft"
+    lm, per_row, packing = not pairs, 2 if pairs else 1, not pairs and cfg.packing  # the rm config has no packing
     # packed SFT cuts a rank's rows into balanced passes of at most max_tokens_per_micro tokens when it has a budget
     # (null: by device, none on a CPU); else micro_batch_size rows a pass
     max_tokens = token_budget(getattr(cfg, "max_tokens_per_micro", 0), model, device, cpu=0, held=model.weights) \
-        if lm and cfg.packing else 0
+        if packing else 0
     rank_rows = max(1, cfg.batch_size // dp)
     if max_tokens:
         parts = micro_batch_plan([Lmax] * rank_rows, max_tokens=max_tokens)[0]
         rows, passes = max(len(part) for part in parts), len(parts)
     else:
-        rows, passes = cfg.micro_batch_size * (2 if recipe == "rm" else 1), rank_rows // cfg.micro_batch_size
+        rows, passes = cfg.micro_batch_size * per_row, rank_rows // cfg.micro_batch_size
     tokens = rows * Lmax // cp
     positions = rows * (Lmax - 1) // cp if lm else 0
-    packed = recipe == "sft" and cfg.packing and model.packed_attention
+    packed = packing and model.packed_attention
     accum = passes > 1
-    rope = tokens if recipe == "sft" and cfg.packing else Lmax
-    per_step = cfg.batch_size * (2 if recipe == "rm" else 1) // dp
+    rope = tokens if packing else Lmax
+    per_step = cfg.batch_size * per_row // dp
     step_flops = 3 * model.flops(per_step * Lmax, per_step * (Lmax - 1) if lm else 0, per_step * _causal(Lmax))
     # the loss is a fixed weighted sum of log-probs: the fused head takes its gradients in the forward (sft._loss)
     fused = lm and model.fused()
@@ -274,7 +275,7 @@ def plan_sft(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1, *, reci
                     key="max_tokens_per_micro" if max_tokens else "micro_batch_size", seconds=_seconds(step_flops, device))
     stages = [train, P.Stage("optimizer", model.optimizer_step(), key="optim")]
     if _eval_rows(cfg):
-        ev = cfg.eval_batch_size * (2 if recipe == "rm" else 1)
+        ev = cfg.eval_batch_size * per_row
         stages.append(P.Stage("eval", {**model.states(grads=False),
                                        "forward (no grad)": model.nograd_pass(ev * Lmax, ev * (Lmax - 1) if lm else 0,
                                                                               fused=fused)},
@@ -282,13 +283,13 @@ def plan_sft(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1, *, reci
     budget_text = f"; budget {max_tokens:,}{' by device' if cfg.max_tokens_per_micro is None else ''}" if max_tokens else ""
     facts = _facts(cfg, model, world) + [
         f"largest micro-batch: {rows} rows x {Lmax} tokens = {tokens:,} tokens "
-        f"({'packed' if recipe == 'sft' and cfg.packing else 'padded'}{budget_text}), logits at {positions:,} positions"
+        f"({'packed' if packing else 'padded'}{budget_text}), logits at {positions:,} positions"
         + (f"; {passes} micro-batches per step" if accum else "")] + ([_head_fact(model.head_why)] if lm else [])
-    return P.Plan(recipe, device, stages, facts)
+    return P.Plan("rm" if pairs else "sft", device, stages, facts)
 
 
 def plan_rm(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Plan:
-    return plan_sft(cfg, shape, device, world, recipe="rm")
+    return plan_sft(cfg, shape, device, world, pairs=True)
 
 
 # --------------------------------------------------------------------------- dpo
@@ -488,7 +489,7 @@ def plan_rl(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pla
     mini = Micro(max(1, lay.items // a.mini_batches), lay.size, lay.G, dp=dp, max_tokens=max_tokens,
                  max_rows=cfg.micro_batch_size)
     positions = mini.seqs * lay.R // cp  # context parallel: each cp rank runs its chunk of the row
-    estimator_values = a.advantage == "gae"
+    estimator_values = ESTIMATORS[a.advantage].values == "critic"
     reuse = a.ppo_epochs * a.mini_batches > 1 or a.tis_cap > 0 or a.kl == "reward" or ro.max_staleness > 0
     # ---- what stays in memory the whole step
     ref = {"reference": P.weight_bytes(model.local, model.prec.param)} if kl and not m.lora.enabled else {}
@@ -579,15 +580,22 @@ def _rl_rows(cfg: Any, world: int) -> int:
 _PASSES = ("reference", "old_logps", "values", "update", "critic update")
 
 
+def _budgeted(cfg: Any, plan: P.Plan) -> bool:
+    """Whether a token budget cuts the plan's passes (then micro_batch_size does not)."""
+    return any(st.key == "max_tokens_per_micro" for st in plan.stages)
+
+
 @dataclass(frozen=True)
 class Search:
     """A key whose largest fitting value a plan names: the stages it sizes, and the value past which
-    nothing changes (with what that value is; "" when the search only stops there)."""
+    nothing changes (with what that value is; "" when the search only stops there). ``when``: whether
+    the plan's stages depend on the key at this config."""
 
     key: str
     stages: tuple[str, ...]
     top: Callable[[Any, int], int]
     whole: str = ""
+    when: Callable[[Any, P.Plan], bool] = lambda cfg, plan: True
 
 
 def _sft_tokens(cfg: Any, world: int) -> int:
@@ -596,12 +604,15 @@ def _sft_tokens(cfg: Any, world: int) -> int:
 
 
 SEARCH: dict[str, list[Search]] = {
-    "sft": [Search("micro_batch_size", ("train",), _per_rank, "the rank's whole batch"),
-            Search("max_tokens_per_micro", ("train",), _sft_tokens, "the rank's whole batch in one pass"),
+    "sft": [Search("micro_batch_size", ("train",), _per_rank, "the rank's whole batch",
+                   when=lambda c, p: not _budgeted(c, p)),
+            Search("max_tokens_per_micro", ("train",), _sft_tokens, "the rank's whole batch in one pass",
+                   when=lambda c, p: c.packing),  # SFT's budget cuts packed rows only
             Search("eval_batch_size", ("eval",), lambda c, w: 4096)],
-    "dpo": [Search("micro_batch_size", ("train",), _per_rank, "the rank's whole batch"),
+    "dpo": [Search("micro_batch_size", ("train",), _per_rank, "the rank's whole batch",
+                   when=lambda c, p: not _budgeted(c, p)),
             Search("max_tokens_per_micro", ("train",), lambda c, w: _per_rank(c, w) * 2 * c.data.max_length,
-                   "the rank's whole batch in one pass"),
+                   "the rank's whole batch in one pass", when=lambda c, p: c.packing or _budgeted(c, p)),
             Search("eval_batch_size", ("reference", "eval"), lambda c, w: 4096)],
     "rl": [Search("max_tokens_per_micro", _PASSES, _rl_tokens, "a rank's whole mini-batch in one pass"),
            Search("micro_batch_size", _PASSES, _rl_rows, "a rank's whole mini-batch in one pass"),
@@ -609,17 +620,6 @@ SEARCH: dict[str, list[Search]] = {
                   "a rank's whole rollout in one call")],
 }
 SEARCH["rm"] = [sr for sr in SEARCH["sft"] if sr.key != "max_tokens_per_micro"]
-
-
-def _searched(cfg: Any, recipe: str, key: str, plan: P.Plan) -> bool:
-    """Whether the plan's stages depend on ``key``: SFT's token budget only for packed rows, and then
-    micro_batch_size not when a budget cuts the passes."""
-    if recipe not in ("sft", "dpo"):
-        return True
-    budgeted = any(st.key == "max_tokens_per_micro" for st in plan.stages)
-    if key == "max_tokens_per_micro":
-        return cfg.packing or (recipe == "dpo" and budgeted)
-    return not (key == "micro_batch_size" and budgeted)
 
 
 def _set_key(cfg: Any, key: str, value: Any) -> Any:
@@ -644,7 +644,7 @@ def plan_for(cfg: Any, recipe: str, device: P.Device, *, world: int = 1, shape: 
         return out
     for sr in SEARCH[recipe]:
         stages = {st.name for st in out.stages} & set(sr.stages)
-        if not stages or not _searched(cfg, recipe, sr.key, out):
+        if not stages or not sr.when(cfg, out):
             continue
         top = sr.top(cfg, world)
 

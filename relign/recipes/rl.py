@@ -94,9 +94,10 @@ class RLState:
 
 
 def _resolve(cfg: Config):
-    """What the config leaves to the task, settled before any model loads: the task itself, its
-    environment, ``rollout.max_turns=0`` (the environment's own turn limit, a GEM game's), the
-    advantage estimator (checked against the task) and the step delimiter (VinePPO)."""
+    """What the config leaves to the task, settled by ``frame.open`` before the memory plan and the
+    run directory: the task itself, its environment, ``rollout.max_turns=0`` (the environment's own
+    turn limit, a GEM game's), the advantage estimator (checked against the task) and the step
+    delimiter (VinePPO)."""
     a, ro, t = cfg.algorithm, cfg.rollout, cfg.task
     task = build.task_for(t)
     env = t.env or task.env or ""
@@ -126,7 +127,7 @@ def _layout(cfg: Config, model, device, *, pack: bool, share: bool) -> Layout:
 
 def _setup(cfg: Config, run: frame.Run) -> tuple[RLRun, Callable[[int], None]]:
     a, ro, m, t = cfg.algorithm, cfg.rollout, cfg.model, cfg.task
-    task, estimator, delimiter = _resolve(cfg)
+    task, estimator, delimiter = run.resolved  # _resolve's, in frame.open
     # ---- models: weights (a resumed run's) are loaded before sharding and before the engine's replica
     tok = load_model_tokenizer(m)
     if rundir.dry_run_requested():  # count the prompts and the parameters without reading any weights, and stop
@@ -208,7 +209,7 @@ def _dry_run(cfg: Config, task, tok, run: frame.Run) -> None:
 
 
 def train(cfg: Config) -> RunResult:
-    run = frame.open(cfg, "rl", check=_check)
+    run = frame.open(cfg, "rl", check=_check, resolve=_resolve)
     watchdog.configure(cfg.rollout.wait_timeout, run.run_dir, key="rollout.wait_timeout")  # no blocking wait without a deadline
     if distributed.is_main():
         (run.run_dir / "rollouts").mkdir(exist_ok=True)

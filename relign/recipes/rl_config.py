@@ -16,6 +16,7 @@ from ..algorithms.aggregation import MODES
 from ..algorithms.policy_losses import BEHAVIOUR_MODES
 from ..checks import check_choice, check_common, check_fraction, check_model_path, check_non_negative, check_positive
 from ..config import ConfigError, OptimConfig, SamplingConfig, TaskConfig, TrainFields, VllmConfig
+from ..envs.tasks import from_file
 from ..rollout.engine import ENGINES
 from ..rollout.vllm_engine import check_vllm
 from .rl_advantages import ESTIMATORS
@@ -295,7 +296,7 @@ def check_eval_during_training(cfg: EvalDuringTrainingConfig, *, task: str = "",
         return
     if env:
         raise ConfigError(f"eval.every works with single-turn tasks, not with a multi-turn environment ({env})")
-    if task == "custom" and not cfg.path:
+    if from_file(task) and not cfg.path:
         raise ConfigError("eval.every with task.name=custom: set eval.path to held-out problems (it may be the training file)")
     if cfg.every < 0 or cfg.n < 1 or cfg.batch_prompts < 1:
         raise ConfigError("eval.every must be >= 0, eval.n and eval.batch_prompts >= 1")
@@ -399,9 +400,10 @@ def check_off_policy(cfg: Config) -> None:
     if cfg.update == "trpo":
         raise ConfigError(f"update=trpo with rollout.max_staleness={s}: TRPO's trust region is measured around the "
                           "policy that sampled the batch (on-policy data); use rollout.max_staleness=0")
-    if a.advantage == "vine":
-        raise ConfigError(f"algorithm.advantage=vine with rollout.max_staleness={s}: VinePPO's Monte-Carlo values are "
-                          "sampled by the current policy for the current batch (on-policy); use rollout.max_staleness=0")
+    if ESTIMATORS[a.advantage].values == "monte_carlo":
+        raise ConfigError(f"algorithm.advantage={a.advantage} with rollout.max_staleness={s}: its Monte-Carlo values "
+                          "(VinePPO's) are sampled by the current policy for the current batch (on-policy); use "
+                          "rollout.max_staleness=0")
 
 
 def check_reader(rw: LearnedRewardConfig) -> None:

@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import yaml
 
 from relign.tracking import read_metrics
 
@@ -123,6 +124,8 @@ def test_rl_on_gem_with_max_turns_0_plays_to_the_games_own_limit(tiny_model_dir,
                    "rollout.stop=['}']", "rollout.max_new_tokens=8", "rollout.max_response_tokens=400", "max_steps=1", "task.max_rows=4", "rollout.n=4",
                    "prompts_per_step=2", "traces_per_step=8", f"run_dir={run}", *COMMON)
     assert "rollout.max_turns=0: the environment's own limit, 3 turns" in proc.stderr
+    # settled in frame.open, before the run directory: its config.yaml records the turns the run played
+    assert yaml.safe_load((run / "config.yaml").read_text())["rollout"]["max_turns"] == 3
     traces = _jsonl(run / "rollouts" / "step_1.jsonl")
     assert len(traces) == 8
     # every episode ends by the game: a win (reward 1) before the limit, or GEM's truncation at turn 3
@@ -139,3 +142,4 @@ def test_max_turns_0_needs_an_environment_with_a_turn_limit(tiny_model_dir, tmp_
                        f"run_dir={tmp_path / 'run'}", *COMMON, check=False)
         last = proc.stderr.strip().splitlines()[-1]
         assert proc.returncode != 0 and "rollout.max_turns=0" in last and "set rollout.max_turns >= 1" in last, proc.stderr
+        assert not (tmp_path / "run").exists()  # refused before the run directory opens
