@@ -36,7 +36,7 @@ goal of issue 47). The JSON at --out is rewritten after
 every check, so a run stopped at its time limit still leaves the checks it finished.
 
 Peak FLOP/s and bandwidth come from the device name (``relign.models.flops.PEAKS``, read from
-``relign.plan.GPUS``, the one table of devices: H100 SXM: 989 TFLOP/s bf16 dense, 3.35 TB/s; H100
+``relign.devices.GPUS``, the one table of devices: H100 SXM: 989 TFLOP/s bf16 dense, 3.35 TB/s; H100
 PCIe: 756, 2.0; H200: 989, 4.8); ``--peak-tflops`` /
 ``--bandwidth-tbs`` override.
 Results: a markdown table on stdout and JSON at --out.
@@ -228,10 +228,10 @@ def run_grpo(a, model_dir: Path, tmp: Path, tok, device: str, lora: bool = False
 
 def predicted(cfg, recipe: str) -> float:
     """``relign plan``'s peak for ``cfg`` (GiB per rank; the device's size does not change it)."""
-    from relign import plan as P
+    from relign.devices import Device
     from relign.recipes import memory
 
-    room = P.Device("any", "any", 1 << 50, 1 << 50)
+    room = Device("any", "any", 1 << 50, 1 << 50)
     return memory.plan_for(cfg, recipe, room, search=False).peak.total / 2**30
 
 

@@ -176,16 +176,16 @@ def measure(argv: list[str]):
 
 def predict(argv: list[str]):
     """The plan of ``relign ARGV`` as ``relign plan`` makes it, on a CPU with room to spare."""
-    from relign import plan as P
     from relign.cli import split_args
     from relign.commands.presets import resolve_config_arg
     from relign.config import load_config
+    from relign.devices import Device
     from relign.recipes import RECIPES, memory
 
     recipe = argv[0]
     path, overrides = split_args(resolve_config_arg(recipe, argv[1:]))
     cfg = load_config(importlib.import_module(RECIPES[recipe][0]).Config, path, overrides)
-    return memory.plan_for(cfg, recipe, P.Device("cpu", "cpu", 1 << 40, 1 << 40), search=False)
+    return memory.plan_for(cfg, recipe, Device("cpu", "cpu", 1 << 40, 1 << 40), search=False)
 
 
 def run(out: Path, presets: list[str], sizes: list[str] | None = None, tokenizer: str | Path | None = None) -> list[dict]:

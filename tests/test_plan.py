@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from relign import devices as D
 from relign import plan as P
 from relign.config import ConfigError
 
@@ -277,7 +278,7 @@ def test_the_reference_free_losses_are_the_recipes():
 
 def test_fitting_tokens_fits_and_twice_as_many_do_not():
     s, prec = P.Shape.of(QWEN05), P.Precision.of("bf16-mixed")
-    free = 40 * P.GiB
+    free = 40 * D.GiB
     n = P.fitting_tokens(s, prec, free)
     used = P.activation_bytes(s, n, n, prec) + P.logits_bytes(n, s.vocab, prec=prec)
     assert 0.5 * free < used <= free  # the logits per position fall with more chunks: the estimate errs low
@@ -288,29 +289,29 @@ def test_fitting_tokens_fits_and_twice_as_many_do_not():
 
 
 def test_named_devices_and_the_gpu_checks_table():
-    h100 = P.named_device("h100")
-    assert (h100.memory, h100.available, h100.tflops, h100.tbs) == (81559 * 2**20, 81559 * 2**20 - P.GiB, 989.0, 3.35)
-    assert P.named_device("RTX4090").name == "RTX 4090 24 GB" and P.named_device("a100").key == "a100-80"
-    assert {g[0] for g in P.GPUS} >= {"h100", "h200", "a100-40", "a100-80", "l40s", "rtx4090"}
-    assert P.gpu_peak("NVIDIA H100 80GB HBM3") == (989.0, 3.35) and P.gpu_peak("NVIDIA H100 PCIe") == (756.0, 2.0)
-    assert P.gpu_peak("NVIDIA A100-SXM4-40GB")[1] == 1.555 and P.gpu_peak("NVIDIA GeForce RTX 4090")[0] == 165.2
+    h100 = D.named_device("h100")
+    assert (h100.memory, h100.available, h100.tflops, h100.tbs) == (81559 * 2**20, 81559 * 2**20 - D.GiB, 989.0, 3.35)
+    assert D.named_device("RTX4090").name == "RTX 4090 24 GB" and D.named_device("a100").key == "a100-80"
+    assert {g[0] for g in D.GPUS} >= {"h100", "h200", "a100-40", "a100-80", "l40s", "rtx4090"}
+    assert D.gpu_peak("NVIDIA H100 80GB HBM3") == (989.0, 3.35) and D.gpu_peak("NVIDIA H100 PCIe") == (756.0, 2.0)
+    assert D.gpu_peak("NVIDIA A100-SXM4-40GB")[1] == 1.555 and D.gpu_peak("NVIDIA GeForce RTX 4090")[0] == 165.2
     with pytest.raises(ConfigError, match="'plan.device'"):
-        P.named_device("tpu-v5")
+        D.named_device("tpu-v5")
     from relign.models.flops import device_peak  # perf/mfu's and bench/gpu_checks.py's: the same table
 
     for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200", "NVIDIA B200", "NVIDIA A100-SXM4-40GB",
                  "NVIDIA A100-SXM4-80GB", "NVIDIA L40S", "NVIDIA GeForce RTX 4090", "cpu"):
-        assert device_peak(name) == P.gpu_peak(name), name
+        assert device_peak(name) == D.gpu_peak(name), name
 
 
 def test_the_local_cpu_is_its_available_ram(tmp_path, monkeypatch):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailable:    8000000 kB\n")
     monkeypatch.setitem(sys.modules, "psutil", None)  # without psutil: /proc/meminfo's MemAvailable
-    assert P.available_ram(str(meminfo)) == 8_000_000 * 1024
-    monkeypatch.setattr(P, "available_ram", lambda: 12345 * P.GiB)
-    cpu = P.local_device("cpu")
-    assert (cpu.key, cpu.available) == ("cpu", 12345 * P.GiB)
+    assert D.available_ram(str(meminfo)) == 8_000_000 * 1024
+    monkeypatch.setattr(D, "available_ram", lambda: 12345 * D.GiB)
+    cpu = D.local_device("cpu")
+    assert (cpu.key, cpu.available) == ("cpu", 12345 * D.GiB)
 
 
 # --------------------------------------------------------------------------- the promise: predicted vs measured

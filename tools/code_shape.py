@@ -35,7 +35,7 @@ PACKAGE = "relign"
 # package. Why each floor is where it is: docs/architecture.md.
 FLOORS: list[tuple[str, ...]] = [
     ("relign", "relign.errors", "relign.algorithms", "relign.watchdog"),  # 1: the package's __init__ (env defaults), the error type, pure math, deadlines
-    ("relign.config", "relign.checks", "relign.distributed", "relign.plan"),         # 2
+    ("relign.config", "relign.checks", "relign.distributed", "relign.devices", "relign.plan"),  # 2
     ("relign.checkpoint", "relign.optim", "relign.tracking", "relign.data"),           # 3
     ("relign.envs", "relign.models", "relign.rundir", "relign.report"),                # 4
     ("relign.rollout", "relign.banner"),                                              # 5

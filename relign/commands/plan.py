@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 
+from .. import devices
 from .. import plan as P
 from ..cli import split_args
 from ..config import load_config
@@ -25,7 +26,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("config", nargs="*", help="CONFIG.yaml or a preset name, then key.sub=value overrides")
     p.add_argument("--device", default="",
                    help="auto (this machine: CUDA free memory, else available RAM), cpu, cuda:N, or a named GPU: "
-                        + ", ".join(g[0] for g in P.GPUS) + " (default: the config's plan.device, else auto)")
+                        + ", ".join(g[0] for g in devices.GPUS) + " (default: the config's plan.device, else auto)")
     p.add_argument("--world", type=int, default=1, help="ranks of the launch (torchrun --nproc_per_node x nodes)")
     a = p.parse_intermixed_args(argv)  # flags anywhere among the key=value overrides
     if a.world < 1:
@@ -36,7 +37,7 @@ def main(argv: list[str]) -> int:
     check = getattr(module, "_check", None)
     if check is not None:  # the recipe's own checks: a config the run would refuse is refused here too
         check(cfg)
-    device = P.local_device(a.device or cfg.plan.device or "auto")
+    device = devices.local_device(a.device or cfg.plan.device or "auto")
     plan = memory.plan_for(cfg, a.recipe, device, world=a.world)
     if device.key == "cpu":
         plan.ranks = a.world  # every rank of a CPU launch shares this machine's RAM

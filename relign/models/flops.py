@@ -29,10 +29,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..plan import GPUS
+from ..devices import GPUS
 
 # device-name fragment -> (dense bf16 TFLOP/s, HBM TB/s), most specific first (vendors' data sheets): read
-# from relign.plan.GPUS, the one table of devices (relign plan takes their memory from it too)
+# from relign.devices.GPUS, the one table of devices (relign plan takes their memory from it too)
 PEAKS: list[tuple[str, float, float]] = [(fragment, tflops, tbs) for _, fragments, _, tflops, tbs in GPUS
                                          for fragment in fragments]
 

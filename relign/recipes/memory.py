@@ -26,6 +26,7 @@ from .. import plan as P
 from ..checks import get_key
 from ..config import ConfigError
 from ..data.balance import micro_batch_plan
+from ..devices import GiB, Device, local_device
 from ..models import budget
 from ..models.flops import ModelFlops
 from ..models.loading import check_model_source, compile_enabled, from_pretrained_checked, resolve_model_path
@@ -189,16 +190,16 @@ def _ranks(cfg: Any, world: int) -> tuple[int, int, int]:
     return max(1, world // (tp * cp)), cp, tp
 
 
-def _type(device: P.Device) -> str:
+def _type(device: Device) -> str:
     """The torch device type a plan's device is: cpu, or cuda (a local or a named GPU)."""
     return "cpu" if device.key == "cpu" else "cuda"
 
 
-def _seconds(flops: float, device: P.Device) -> float | None:
+def _seconds(flops: float, device: Device) -> float | None:
     return flops / (device.tflops * 1e12) if device.tflops else None
 
 
-def token_budget(setting: int | None, model: Model, device: P.Device, *, cpu: int, held: int = 0) -> int:
+def token_budget(setting: int | None, model: Model, device: Device, *, cpu: int, held: int = 0) -> int:
     """``max_tokens_per_micro`` as the run will take it (``models/budget.device_tokens``): the setting
     when given; null: ``cpu`` on a CPU, on a GPU ``budget.CUDA_TOKENS`` or what 60% of the memory free
     once the weights are in (the device's available less ``held`` bytes), less the optimizer state to
@@ -242,7 +243,7 @@ def _eval_rows(cfg: Any) -> bool:
     return bool(d.eval_path or d.eval_fraction > 0)
 
 
-def plan_sft(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1, *, pairs: bool = False) -> P.Plan:
+def plan_sft(cfg: Any, shape: P.Shape, device: Device, world: int = 1, *, pairs: bool = False) -> P.Plan:
     """SFT (``recipes/sft.py``): micro-batches of ``micro_batch_size`` rows of ``data.max_length``
     tokens (packed: one row; else padded), every position after each row's first scored; the
     held-out loss in padded batches of ``eval_batch_size`` rows. The reward model (``rm``) is the
@@ -288,7 +289,7 @@ def plan_sft(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1, *, pair
     return P.Plan("rm" if pairs else "sft", device, stages, facts)
 
 
-def plan_rm(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Plan:
+def plan_rm(cfg: Any, shape: P.Shape, device: Device, world: int = 1) -> P.Plan:
     return plan_sft(cfg, shape, device, world, pairs=True)
 
 
@@ -300,7 +301,7 @@ imports this one; tests/test_plan.py keeps the two in step)."""
 
 
 
-def plan_dpo(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Plan:
+def plan_dpo(cfg: Any, shape: P.Shape, device: Device, world: int = 1) -> P.Plan:
     """DPO and its family (``recipes/preference.py``): each pair is prompt + chosen and prompt +
     rejected; with ``share_prompt`` on a model varlen covers, one packed row per micro-batch that
     runs the prompt once (a pair is then at most ``2 data.max_length`` tokens, its responses scored).
@@ -422,7 +423,7 @@ def _rl_layout(cfg: Any, model: Model) -> _RLLayout:
     return _RLLayout(n, Pl, R, G, pack, size, cfg.prompts_per_step * (1 if G > 1 else n), why)
 
 
-def _rl_rollout(cfg: Any, model: Model, device: P.Device, world: int, keep: dict[str, int]
+def _rl_rollout(cfg: Any, model: Model, device: Device, world: int, keep: dict[str, int]
                 ) -> tuple[P.Stage, dict[str, int], int]:
     """The rollout stage (the engine's cache and weight copies; one process: the HF engine shares the
     policy), what the engine holds asleep during the other stages, and the rows of an engine call."""
@@ -455,7 +456,7 @@ def _rl_rollout(cfg: Any, model: Model, device: P.Device, world: int, keep: dict
 
 
 def _critic_stages(model: Model, held: dict[str, int], mini: "Micro", lay: _RLLayout, *, cp: int, updates: int,
-                   device: P.Device) -> list[P.Stage]:
+                   device: Device) -> list[P.Stage]:
     """A critic's update (its backward beside everything the step holds) and its optimizer step."""
     s, prec = model.s, model.prec
     c_params = model.local + s.d + 1  # the backbone (with its unused head) and the value head
@@ -471,7 +472,7 @@ def _critic_stages(model: Model, held: dict[str, int], mini: "Micro", lay: _RLLa
                     key="optim")]
 
 
-def plan_rl(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Plan:
+def plan_rl(cfg: Any, shape: P.Shape, device: Device, world: int = 1) -> P.Plan:
     """RL (``recipes/rl.py``): the HF or vLLM engine samples ``prompts_per_step`` x ``rollout.n``
     completions; the reference, old log-probs, values and updates run micro-batches that
     ``rl_update.plan`` cuts by ``max_tokens_per_micro`` and ``micro_batch_size`` (groups whole where
@@ -533,7 +534,7 @@ def plan_rl(cfg: Any, shape: P.Shape, device: P.Device, world: int = 1) -> P.Pla
     return P.Plan("rl", device, stages, facts)
 
 
-def _vllm_terms(cfg: Any, s: P.Shape, prec: P.Precision, device: P.Device, rows: int, length: int, *,
+def _vllm_terms(cfg: Any, s: P.Shape, prec: P.Precision, device: Device, rows: int, length: int, *,
                 awake: bool = True) -> dict[str, int]:
     """The vLLM engine (``rollout/vllm_engine.py``) colocated with the trainer. On a GPU it takes
     ``rollout.vllm.gpu_memory_utilization`` of the device's memory (weights and KV cache; or its
@@ -547,11 +548,11 @@ def _vllm_terms(cfg: Any, s: P.Shape, prec: P.Precision, device: P.Device, rows:
         if not awake:
             return {"engine KV cache": 0, "engine weights": 0}
         if v.kv_cache_gb > 0:
-            return {"engine KV cache": int(v.kv_cache_gb * P.GiB), "engine weights": weights}
+            return {"engine KV cache": int(v.kv_cache_gb * GiB), "engine weights": weights}
         total = int(v.gpu_memory_utilization * device.memory)
         return {"engine KV cache": max(0, total - weights), "engine weights": weights}
-    kv = int(v.kv_cache_gb * P.GiB) if v.kv_cache_gb > 0 else \
-        int(min(max(P.kv_bytes_per_token(s, prec.compute) * rows * (v.max_model_len or length), 64 * 2**20), 4 * P.GiB))
+    kv = int(v.kv_cache_gb * GiB) if v.kv_cache_gb > 0 else \
+        int(min(max(P.kv_bytes_per_token(s, prec.compute) * rows * (v.max_model_len or length), 64 * 2**20), 4 * GiB))
     return {"engine KV cache": kv, "engine weights": weights}
 
 
@@ -629,7 +630,7 @@ def _set_key(cfg: Any, key: str, value: Any) -> Any:
     return out
 
 
-def plan_for(cfg: Any, recipe: str, device: P.Device, *, world: int = 1, shape: P.Shape | None = None,
+def plan_for(cfg: Any, recipe: str, device: Device, *, world: int = 1, shape: P.Shape | None = None,
              search: bool = True) -> P.Plan:
     """The plan of ``recipe`` with ``cfg`` on ``device`` over ``world`` ranks; ``search``: also the
     largest value of each key in ``SEARCH`` whose stages fit (``Plan.fits``)."""
@@ -674,7 +675,7 @@ def check(cfg: Any, recipe: str, device: Any) -> P.Plan | None:
         shape = read_shape(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     except ConfigError:
         return None
-    target = P.local_device(settings.device or str(device))
+    target = local_device(settings.device or str(device))
     world = distributed.world_size()
     plan = plan_for(cfg, recipe, target, world=world, shape=shape, search=False)
     if dry or not plan.fits_device:  # what fits: for the table, or for the refusal to name

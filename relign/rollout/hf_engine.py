@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from ..errors import ConfigError
 from ..models.logprobs import kv_cache_kwargs, right_pad, token_logps
@@ -46,140 +45,9 @@ from .engine import Completion, Engine, SamplingParams, check_generate_args, der
 from .fast_decode import (DecodePlan, FastDecoder, StaticKV, Weights, device_peaks, lora_refusal, roofline_seconds,
                           unsupported_reason)
 from .fingerprint import Fingerprint, fingerprint, output_head
+from .kv_cache import GrowingLayer, growing_cache
 from .prefix_cache import PrefixCache
-
-
-def sample_tokens(
-    logits: torch.Tensor,
-    *,
-    temperature: float,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    banned: list[int] | torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
-    uniforms: torch.Tensor | None = None,
-    ban_now: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of ``logits`` [R, V]. Returns (tokens [R], logps [R]).
-
-    The reported log-prob is log softmax(logits / T) at the sampled token, before top-k/top-p
-    truncation or banned tokens: the trainer recomputes that same quantity from the same
-    weights, so the two agree (tested to 1e-4 in fp32). Greedy (T = 0) reports T = 1.
-    ``uniforms`` [R] in [0, 1): the draws to use (per-row streams); else drawn from ``generator``.
-    ``banned``: token ids, or a bool mask [V], that cannot be sampled; ``ban_now`` (a bool tensor
-    of one element): apply the ban only while it is true, decided on the device (the engine's
-    ``min_new_tokens``), with the same tokens and log-probs as passing ``banned`` or not.
-    """
-    logits = logits.float()
-    # x / 1 is x exactly: at T = 1 (RL rollouts, evals) the division is a pass over [R, V] for nothing
-    scaled = logits / temperature if temperature > 0 and temperature != 1.0 else logits
-    plain = temperature > 0 and not ((top_k and top_k < logits.shape[-1]) or top_p < 1.0)
-    if isinstance(banned, list):
-        banned = _ban_mask(banned, logits.shape[-1], logits.device) if banned else None
-    if plain and banned is None:
-        # Plain sampling, the rollouts' case: one softmax gives both the CDF and the sampled
-        # token's log-prob, log p(token); log_softmax and then exp would be two passes over the
-        # vocabulary where one does. The same tokens; the log-prob differs by float rounding.
-        probs = torch.softmax(scaled, dim=-1)
-        tokens = _inverse_cdf(probs, uniforms, generator)
-        return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()
-    logps_all = torch.log_softmax(scaled, dim=-1)
-    masked = scaled
-    if banned is not None:
-        masked = masked.masked_fill(banned if ban_now is None else banned & ban_now, float("-inf"))
-    if temperature <= 0:
-        tokens = masked.argmax(dim=-1)
-    else:
-        if top_k and top_k < masked.shape[-1]:
-            kth = torch.topk(masked, top_k, dim=-1).values[:, -1:]
-            masked = masked.masked_fill(masked < kth, float("-inf"))
-        if top_p < 1.0:
-            sorted_logits, order = torch.sort(masked, descending=True, dim=-1)
-            probs = torch.softmax(sorted_logits, dim=-1)
-            # drop a token when the mass *before* it already reaches top_p (the first always stays)
-            drop = (probs.cumsum(-1) - probs) >= top_p
-            drop[..., 0] = False  # the most likely token always stays (top_p = 0 means greedy-like)
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            masked = torch.full_like(masked, float("-inf")).scatter(-1, order, sorted_logits)
-        probs = torch.softmax(masked, dim=-1)
-        tokens = _inverse_cdf(probs, uniforms, generator)
-        if plain and ban_now is not None:
-            # the ban lifted (min_new_tokens reached): the plain path's log-prob, as without a ban
-            picked = logps_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-            return tokens, torch.where(ban_now, picked, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log())
-    return tokens, logps_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def _ban_mask(ids: list[int], vocab: int, device) -> torch.Tensor:
-    return torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, torch.tensor(ids, device=device), True)
-
-
-def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor | None, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of ``probs`` [R, V] by inverse-CDF sampling: one uniform per row.
-    torch.multinomial draws per vocabulary entry and was the largest cost of a decode step
-    after the forward on CPU."""
-    cdf = probs.cumsum(-1)
-    if uniforms is None:
-        uniforms = torch.rand(probs.shape[0], generator=generator, device=probs.device, dtype=cdf.dtype)
-    u = uniforms.to(cdf.device, cdf.dtype).unsqueeze(-1) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
-
-
-class GrowingLayer(DynamicLayer):
-    """A KV-cache layer with room to grow: each decode step writes its key and value in place and
-    attention reads a view of the filled part. The stock ``DynamicLayer`` concatenates, which
-    copies the whole cache at every token (15% of a decode step on CPU at 128 new tokens)."""
-
-    def __init__(self, capacity: int):
-        super().__init__()
-        self.capacity, self.length = capacity, 0
-        self.k_buf = self.v_buf = None
-
-    def _views(self) -> None:
-        self.keys, self.values = self.k_buf[:, :, : self.length], self.v_buf[:, :, : self.length]
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        dev = key_states.device.type
-        if torch.is_autocast_enabled(dev):
-            # model.dtype=bf16-mixed: keys come out of RoPE in fp32, values in bf16. Attention
-            # casts both to bf16 anyway, so keep them in bf16: the same numbers, half the
-            # memory, and no cast of the whole cache at every decode step.
-            dtype = torch.get_autocast_dtype(dev)
-            key_states, value_states = key_states.to(dtype), value_states.to(dtype)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-            B, H, _, D = key_states.shape
-            self.k_buf = key_states.new_empty(B, H, self.capacity, D)
-            self.v_buf = value_states.new_empty(B, H, self.capacity, D)
-        n = key_states.shape[-2]
-        if self.length + n > self.k_buf.shape[-2]:  # out of room: double it (amortized O(1) per token)
-            more = lambda b: b.new_empty(*b.shape[:2], max(n, b.shape[2]), b.shape[3])  # noqa: E731
-            self.k_buf, self.v_buf = torch.cat([self.k_buf, more(self.k_buf)], 2), torch.cat([self.v_buf, more(self.v_buf)], 2)
-        self.k_buf[:, :, self.length : self.length + n] = key_states
-        self.v_buf[:, :, self.length : self.length + n] = value_states
-        self.length += n
-        self._views()
-        return self.keys, self.values
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.length:
-            self.k_buf = self.k_buf.repeat_interleave(repeats, dim=0)
-            self.v_buf = self.v_buf.repeat_interleave(repeats, dim=0)
-            self._views()
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.length:
-            self.k_buf, self.v_buf = self.k_buf[indices], self.v_buf[indices]
-            self._views()
-
-
-def growing_cache(config, capacity: int) -> DynamicCache:
-    """A ``DynamicCache`` of ``GrowingLayer``s when every layer is a plain full-attention one
-    (sliding-window or hybrid models keep the stock layers)."""
-    cache = DynamicCache(config=config)
-    if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
-        cache.layers = [GrowingLayer(capacity) for _ in cache.layers]
-    return cache
+from .sampling import sample_tokens
 
 
 @dataclass

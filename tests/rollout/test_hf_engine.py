@@ -11,7 +11,8 @@ import torch
 
 from relign.rollout.engine import Completion, Engine, SamplingParams
 from relign.rollout.fast_decode import DecodePlan
-from relign.rollout.hf_engine import HFEngine, sample_tokens
+from relign.rollout.hf_engine import HFEngine
+from relign.rollout.sampling import sample_tokens
 
 from .conftest import trainer_logps
 
