@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import DTYPES
-from .devices import GiB, Device
+from .devices import Device, GiB
 from .errors import ConfigError
 
 _BYTES = {"float32": 4, "bfloat16": 2}  # a torch dtype's name -> its bytes

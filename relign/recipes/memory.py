@@ -26,7 +26,7 @@ from .. import plan as P
 from ..checks import get_key
 from ..config import ConfigError
 from ..data.balance import micro_batch_plan
-from ..devices import GiB, Device, local_device
+from ..devices import Device, GiB, local_device
 from ..models import budget
 from ..models.flops import ModelFlops
 from ..models.loading import check_model_source, compile_enabled, from_pretrained_checked, resolve_model_path
