@@ -14,7 +14,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .config import DTYPES, SCHEDULES, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, OptimConfig, PreferenceDataConfig
+from .config import SCHEDULES, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, OptimConfig, PreferenceDataConfig
+from .dtypes import DTYPES
 from .errors import ConfigError
 
 

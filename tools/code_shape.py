@@ -35,7 +35,8 @@ PACKAGE = "relign"
 # package. Why each floor is where it is: docs/architecture.md.
 FLOORS: list[tuple[str, ...]] = [
     ("relign", "relign.errors", "relign.algorithms", "relign.watchdog"),  # 1: the package's __init__ (env defaults), the error type, pure math, deadlines
-    ("relign.config", "relign.checks", "relign.distributed", "relign.devices", "relign.plan"),  # 2
+    ("relign.config", "relign.checks", "relign.distributed", "relign.devices", "relign.dtypes", "relign.plan",
+     "relign.plan_table"),  # 2
     ("relign.checkpoint", "relign.optim", "relign.tracking", "relign.data"),           # 3
     ("relign.envs", "relign.models", "relign.rundir", "relign.report"),                # 4
     ("relign.rollout", "relign.banner"),                                              # 5
@@ -99,11 +100,13 @@ def scan(root: Path = ROOT) -> Shape:
     files = sorted((root / PACKAGE).rglob("*.py"))
     for f in files:
         shape.modules[module_name(f, root)] = f
+    trees: dict[str, ast.Module] = {}
     for f in files:
         mod = module_name(f, root)
         is_package = f.name == "__init__.py"
-        tree = ast.parse(f.read_text(), filename=str(f))
-        lines = f.read_text().splitlines()
+        text = f.read_text()
+        tree = trees[mod] = ast.parse(text, filename=str(f))
+        lines = text.splitlines()
 
         def visit(node: ast.AST, func: str) -> None:
             for child in ast.iter_child_nodes(node):
@@ -141,7 +144,6 @@ def scan(root: Path = ROOT) -> Shape:
             return out or [base]
 
         visit(tree, "")
-    trees = {module_name(f, root): ast.parse(f.read_text(), filename=str(f)) for f in files}
     shape.tables = choice_tables(trees)
     shape.name_tests = name_tests(trees, shape.tables)
     return shape

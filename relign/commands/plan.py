@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 
 from .. import devices
-from .. import plan as P
+from .. import plan_table
 from ..cli import split_args
 from ..config import load_config
 from ..recipes import RECIPES, memory
@@ -41,5 +41,5 @@ def main(argv: list[str]) -> int:
     plan = memory.plan_for(cfg, a.recipe, device, world=a.world)
     if device.key == "cpu":
         plan.ranks = a.world  # every rank of a CPU launch shares this machine's RAM
-    print(P.format_plan(plan))
+    print(plan_table.format_plan(plan))
     return 0 if plan.fits_device else 1

@@ -17,7 +17,7 @@ import torch
 from torch.nn.modules.dropout import _DropoutNd
 
 from ..checks import COMPILE_CHOICES, check_compute_weights
-from ..config import DTYPES
+from ..dtypes import DTYPES
 from ..errors import ConfigError
 from . import lean, precision
 from .tiny import SIZES, build_tiny_model

@@ -38,7 +38,7 @@ import types
 
 import torch
 
-from ..config import DTYPES
+from ..dtypes import DTYPES
 
 ATTR = "_relign_autocast"  # the compute dtype, set on each module whose forward is wrapped
 CAST_ATTR = "_relign_compute_weights"  # True on a module whose forward runs on cast copies (bf16-compute)

@@ -37,7 +37,8 @@ import torch
 from .. import banner, distributed, rundir
 from ..checkpoint import atomic_write_text, list_checkpoints
 from ..checks import check_choice, check_model_path, check_non_negative, check_wandb
-from ..config import DTYPES, ConfigError, LoggingConfig, ModelConfig, load_config
+from ..config import ConfigError, LoggingConfig, ModelConfig, load_config
+from ..dtypes import DTYPES
 from ..envs import arith
 from ..envs.tasks import from_file, get_task, is_multi_turn
 from ..evaluate import evaluate, write_samples

@@ -23,6 +23,7 @@ from typing import Any
 
 from .. import distributed
 from .. import plan as P
+from .. import plan_table
 from ..checks import get_key
 from ..config import ConfigError
 from ..data.balance import micro_batch_plan
@@ -230,7 +231,7 @@ def _facts(cfg: Any, model: Model, world: int) -> list[str]:
     if m.lora.enabled:
         opts.append(f"LoRA r {m.lora.r}")
     mesh = f", {world} ranks (dp {dp}, cp {cp}, tp {tp})" if world > 1 else ", 1 rank"
-    return [f"model {m.path}: {s.model_type or 'decoder'}, {P.count(s.params)} parameters "
+    return [f"model {m.path}: {s.model_type or 'decoder'}, {plan_table.count(s.params)} parameters "
             f"(d {s.d}, {s.layers} layers, {s.heads}/{s.kv_heads} heads, I {s.intermediate}, V {s.vocab:,}); "
             + ", ".join(opts) + mesh]
 
@@ -581,7 +582,7 @@ def _rl_rows(cfg: Any, world: int) -> int:
 _PASSES = ("reference", "old_logps", "values", "update", "critic update")
 
 
-def _budgeted(cfg: Any, plan: P.Plan) -> bool:
+def _budgeted(plan: P.Plan) -> bool:
     """Whether a token budget cuts the plan's passes (then micro_batch_size does not)."""
     return any(st.key == "max_tokens_per_micro" for st in plan.stages)
 
@@ -606,14 +607,14 @@ def _sft_tokens(cfg: Any, world: int) -> int:
 
 SEARCH: dict[str, list[Search]] = {
     "sft": [Search("micro_batch_size", ("train",), _per_rank, "the rank's whole batch",
-                   when=lambda c, p: not _budgeted(c, p)),
+                   when=lambda c, p: not _budgeted(p)),
             Search("max_tokens_per_micro", ("train",), _sft_tokens, "the rank's whole batch in one pass",
                    when=lambda c, p: c.packing),  # SFT's budget cuts packed rows only
             Search("eval_batch_size", ("eval",), lambda c, w: 4096)],
     "dpo": [Search("micro_batch_size", ("train",), _per_rank, "the rank's whole batch",
-                   when=lambda c, p: not _budgeted(c, p)),
+                   when=lambda c, p: not _budgeted(p)),
             Search("max_tokens_per_micro", ("train",), lambda c, w: _per_rank(c, w) * 2 * c.data.max_length,
-                   "the rank's whole batch in one pass", when=lambda c, p: c.packing or _budgeted(c, p)),
+                   "the rank's whole batch in one pass", when=lambda c, p: c.packing or _budgeted(p)),
             Search("eval_batch_size", ("reference", "eval"), lambda c, w: 4096)],
     "rl": [Search("max_tokens_per_micro", _PASSES, _rl_tokens, "a rank's whole mini-batch in one pass"),
            Search("micro_batch_size", _PASSES, _rl_rows, "a rank's whole mini-batch in one pass"),
@@ -680,11 +681,11 @@ def check(cfg: Any, recipe: str, device: Any) -> P.Plan | None:
     plan = plan_for(cfg, recipe, target, world=world, shape=shape, search=False)
     if dry or not plan.fits_device:  # what fits: for the table, or for the refusal to name
         plan = plan_for(cfg, recipe, target, world=world, shape=shape)
-    why = P.refusal(plan) if settings.check else None
+    why = plan_table.refusal(plan) if settings.check else None
     if dry and why and distributed.is_main():
-        print(P.format_plan(plan), flush=True)  # the table, then the refusal's one line
+        print(plan_table.format_plan(plan), flush=True)  # the table, then the refusal's one line
     elif dry:
-        set_memory_plan(P.format_plan(plan))  # banner.dry_run prints it with the run's summary
+        set_memory_plan(plan_table.format_plan(plan))  # banner.dry_run prints it with the run's summary
     if why:
         raise ConfigError(why)
     return plan

@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -45,24 +44,9 @@ from .engine import Completion, Engine, SamplingParams, check_generate_args, der
 from .fast_decode import (DecodePlan, FastDecoder, StaticKV, Weights, device_peaks, lora_refusal, roofline_seconds,
                           unsupported_reason)
 from .fingerprint import Fingerprint, fingerprint, output_head
-from .kv_cache import GrowingLayer, growing_cache
+from .kv_cache import ForwardKV, GrowingLayer, growing_cache
 from .prefix_cache import PrefixCache
-from .sampling import sample_tokens
-
-
-@dataclass
-class _Sampler:
-    """A call's sampling settings, fixed for every step of it (a captured step bakes them in)."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    ban: bool  # the stop ids are banned while fewer than min_new_tokens are out (``_Rows.ban``)
-    uniforms: bool  # a step reads its uniforms from ``_Rows.U`` (else draws them from ``generator``)
-    generator: torch.Generator | None
-
-    def key(self) -> tuple:
-        return self.temperature, self.top_k, self.top_p, self.ban, self.uniforms
+from .sampling import DecodeSampler, sample_tokens
 
 
 class _Rows:
@@ -100,21 +84,6 @@ class _Slot:
 
     def __init__(self, rows: _Rows, kv: StaticKV):
         self.rows, self.kv, self.steps = rows, kv, {}
-
-
-class _ForwardKV:
-    """The model's own forward as the decode step (architectures ``fast_decode`` does not cover)."""
-
-    def __init__(self, engine: HFEngine, cache: DynamicCache, attn: torch.Tensor):
-        self.engine, self.cache, self.attn = engine, cache, attn
-
-    def step(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        self.attn = torch.cat([self.attn, self.attn.new_ones((self.attn.shape[0], 1))], dim=-1)
-        return self.engine._forward(tok.unsqueeze(-1), self.attn, pos.unsqueeze(-1), self.cache, prefill=False)
-
-    def select(self, keep: torch.Tensor) -> None:
-        self.cache.batch_select_indices(keep)
-        self.attn = self.attn[keep]
 
 
 class HFEngine(Engine):
@@ -324,7 +293,7 @@ class HFEngine(Engine):
         return [self._completion(tokens_out[r], logps_out[r], finish[r] or "length", reason[r], stops) for r in range(R)]
 
     def _chunk_sampler(self, params: SamplingParams, seeds: list[int] | None, n: int, R: int, gen, static: bool
-                       ) -> tuple[_Sampler, torch.Tensor | None, set[int]]:
+                       ) -> tuple[DecodeSampler, torch.Tensor | None, set[int]]:
         """The chunk's (sampler, uniforms [R, T] or None, stop token ids); the uniforms are drawn here."""
         uniforms = None
         if params.temperature > 0 and seeds is not None:  # per-row streams: row r's t-th uniform is fixed by its seed
@@ -334,12 +303,12 @@ class HFEngine(Engine):
         stop_ids = set() if params.ignore_eos else set(self.eos_ids)
         stop_ids.update(params.stop_token_ids)
         ban = params.min_new_tokens > 0 and bool(stop_ids)
-        sampler = _Sampler(params.temperature, params.top_k, params.top_p, ban, uniforms is not None,
+        sampler = DecodeSampler(params.temperature, params.top_k, params.top_p, ban, uniforms is not None,
                            None if uniforms is not None else gen)
         return sampler, uniforms, stop_ids
 
     def _decode_buffers(self, cache: DynamicCache, attn: torch.Tensor, rep: torch.Tensor, n: int, T: int, V: int,
-                        static: bool, fast: bool) -> tuple[_Slot | None, _Rows, StaticKV | _ForwardKV]:
+                        static: bool, fast: bool) -> tuple[_Slot | None, _Rows, StaticKV | ForwardKV]:
         """(slot, rows, kv) of the decode, batch position b from prompt ``rep[b]``: under static shapes the
         bucket's kept buffers, filled from the prefill's ``cache``; else fresh rows over the cache itself."""
         dev, (P, Lp), Rb = self.device, attn.shape, rep.shape[0]
@@ -358,11 +327,11 @@ class HFEngine(Engine):
             kv = StaticKV([x.k_buf for x in cache.layers], [x.v_buf for x in cache.layers], ok,
                           torch.tensor([Lp], device=dev))
         else:
-            kv = _ForwardKV(self, cache, attn.index_select(0, rep))
+            kv = ForwardKV(self, cache, attn.index_select(0, rep))
         return None, rows, kv
 
     def _start_rows(self, rows: _Rows, next_pos: torch.Tensor, rep: torch.Tensor, uniforms: torch.Tensor | None,
-                    stop_ids: set[int], min_new: int, sampler: _Sampler) -> None:
+                    stop_ids: set[int], min_new: int, sampler: DecodeSampler) -> None:
         """Each row's state before its first sample: its next position, its uniforms, the stop ids' ban."""
         rows.pos[: rep.shape[0]].copy_(next_pos.index_select(0, rep))
         rows.t.zero_()
@@ -373,7 +342,7 @@ class HFEngine(Engine):
             rows.ban.zero_().index_fill_(0, torch.tensor(sorted(stop_ids), device=self.device), True)
             rows.min_new.fill_(min_new)
 
-    def _decode(self, slot: _Slot | None, rows: _Rows, kv, weights: Weights | None, sampler: _Sampler, Lp: int,
+    def _decode(self, slot: _Slot | None, rows: _Rows, kv, weights: Weights | None, sampler: DecodeSampler, Lp: int,
                 R: int, Rb: int, T: int, static: bool, stop_ids: set[int], stops: list[str], min_new: int
                 ) -> tuple[list[list[int]], list[list[float]], list[str | None], list[str | int | None]]:
         """The decode loop after the first sample: (tokens, log-probs, finish, reason) of each row. The
@@ -437,7 +406,7 @@ class HFEngine(Engine):
         if finish[r] is None and last:
             finish[r] = "length"
 
-    def _sample_into(self, rows: _Rows, logits: torch.Tensor, sampler: _Sampler) -> None:
+    def _sample_into(self, rows: _Rows, logits: torch.Tensor, sampler: DecodeSampler) -> None:
         """Sample ``rows.t`` from ``logits`` into the rows' buffers, on the device."""
         u = rows.U.index_select(1, rows.t).squeeze(1) if sampler.uniforms else None
         tok, lp = sample_tokens(logits, temperature=sampler.temperature, top_k=sampler.top_k, top_p=sampler.top_p,
@@ -448,7 +417,7 @@ class HFEngine(Engine):
         rows.tok.copy_(tok)
         rows.t.add_(1)
 
-    def _iteration(self, rows: _Rows, kv, weights: Weights | None, sampler: _Sampler, span: int, filled: bool = False
+    def _iteration(self, rows: _Rows, kv, weights: Weights | None, sampler: DecodeSampler, span: int, filled: bool = False
                    ) -> None:
         """One decode step on the device: the forward of each row's last token, then the next sample.
         Nothing is read back to the host (``torch.compile(..., fullgraph=True)`` traces it whole)."""
@@ -459,7 +428,7 @@ class HFEngine(Engine):
         rows.pos.add_(1)
         self._sample_into(rows, logits, sampler)
 
-    def _stepper(self, slot: _Slot | None, rows: _Rows, kv, weights, sampler: _Sampler, Lp: int):
+    def _stepper(self, slot: _Slot | None, rows: _Rows, kv, weights, sampler: DecodeSampler, Lp: int):
         """``step(made)``: run the decode step that makes sample ``made``. Eager: attention over the
         filled columns (Lp + made). Static shapes: over the whole capacity, the step captured once
         per bucket and sampling settings (``DecodePlan.capture``) and replayed."""
@@ -470,7 +439,7 @@ class HFEngine(Engine):
             run = slot.steps[sampler.key()] = self._capture(slot, weights, sampler)
         return lambda made: run()
 
-    def _capture(self, slot: _Slot, weights, sampler: _Sampler):
+    def _capture(self, slot: _Slot, weights, sampler: DecodeSampler):
         """The bucket's step as ``DecodePlan.capture`` runs it: the eager step, or the replay of a CUDA
         graph of it. On a CPU a captured plan runs its warm-up and then the eager step (the twin the
         tests compare)."""

@@ -62,3 +62,18 @@ def growing_cache(config, capacity: int) -> DynamicCache:
     if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
         cache.layers = [GrowingLayer(capacity) for _ in cache.layers]
     return cache
+
+
+class ForwardKV:
+    """The model's own forward as the decode step (architectures ``fast_decode`` does not cover)."""
+
+    def __init__(self, engine, cache: DynamicCache, attn: torch.Tensor):  # engine: the HFEngine whose _forward runs
+        self.engine, self.cache, self.attn = engine, cache, attn
+
+    def step(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.attn = torch.cat([self.attn, self.attn.new_ones((self.attn.shape[0], 1))], dim=-1)
+        return self.engine._forward(tok.unsqueeze(-1), self.attn, pos.unsqueeze(-1), self.cache, prefill=False)
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.cache.batch_select_indices(keep)
+        self.attn = self.attn[keep]

@@ -7,6 +7,8 @@ Inverse-CDF sampling with one uniform per row lets each prompt draw from its own
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -84,3 +86,18 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor | None, generator: 
         uniforms = torch.rand(probs.shape[0], generator=generator, device=probs.device, dtype=cdf.dtype)
     u = uniforms.to(cdf.device, cdf.dtype).unsqueeze(-1) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
+
+
+@dataclass
+class DecodeSampler:
+    """A call's sampling settings, fixed for every step of it (a captured step bakes them in)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    ban: bool  # the stop ids are banned while fewer than min_new_tokens are out (``hf_engine._Rows.ban``)
+    uniforms: bool  # a step reads its uniforms from ``hf_engine._Rows.U`` (else draws them from ``generator``)
+    generator: torch.Generator | None
+
+    def key(self) -> tuple:
+        return self.temperature, self.top_k, self.top_p, self.ban, self.uniforms
