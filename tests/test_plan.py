@@ -234,13 +234,13 @@ def test_the_fused_head_peaks_as_the_allocator_counts_it(path, K, chunk, dtype, 
 
 def test_the_plan_fuses_the_heads_the_model_code_fuses():
     from relign.models import fused_ce
-    from relign.recipes import memory
+    from relign.recipes import plan_model
 
-    assert [f"{t}ForCausalLM".lower() for t in memory.FUSED_TYPES] == [c.lower() for c in fused_ce.PLAIN_CAUSAL_LMS]
-    assert memory.head_stage_a("qwen2", lora_head=False, ranks=1) == ""
-    assert "LoRA" in memory.head_stage_a("llama", lora_head=True, ranks=1)
-    assert "FSDP2" in memory.head_stage_a("qwen3", lora_head=False, ranks=2)
-    assert "not a plain causal LM" in memory.head_stage_a("gemma2", lora_head=False, ranks=1)
+    assert [f"{t}ForCausalLM".lower() for t in plan_model.FUSED_TYPES] == [c.lower() for c in fused_ce.PLAIN_CAUSAL_LMS]
+    assert plan_model.head_stage_a("qwen2", lora_head=False, ranks=1) == ""
+    assert "LoRA" in plan_model.head_stage_a("llama", lora_head=True, ranks=1)
+    assert "FSDP2" in plan_model.head_stage_a("qwen3", lora_head=False, ranks=2)
+    assert "not a plain causal LM" in plan_model.head_stage_a("gemma2", lora_head=False, ranks=1)
 
 
 def test_the_engine_cache_is_the_one_the_plan_counts(tiny_model_dir):

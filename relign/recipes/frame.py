@@ -46,7 +46,7 @@ from ..models.tp import apply_tp, check_heads
 from ..optim import build_training, clip_gradients
 from ..rundir import open_run
 from ..tracking import Tracker, read_metrics
-from . import RunResult, build, memory
+from . import RunResult, build, memory, plan_model
 
 
 @dataclass
@@ -146,7 +146,7 @@ def check_parallel(cfg: Any, recipe: str) -> None:
         raise ConfigError(f"parallel.tp_size x parallel.cp_size = {tp} x {cp} does not divide the world size "
                           f"{world} (torchrun's --nproc_per_node x --nnodes)")
     if tp * cp > 1 and cfg.model.path:
-        s = memory.read_shape(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        s = plan_model.read_shape(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
         check_heads(SimpleNamespace(num_attention_heads=s.heads, num_key_value_heads=s.kv_heads), tp, cp)
 
 

@@ -29,212 +29,10 @@ from ..config import ConfigError
 from ..data.balance import micro_batch_plan
 from ..devices import Device, GiB, local_device
 from ..models import budget
-from ..models.flops import ModelFlops
-from ..models.loading import check_model_source, compile_enabled, from_pretrained_checked, resolve_model_path
-from ..models.varlen import SUPPORTED
 from ..rundir import dry_run_requested, is_nested, set_memory_plan
+from .plan_model import (Model, causal_pairs, device_type, head_fact, mesh_ranks, model_facts, read_shape, step_seconds,
+                         token_budget)
 from .rl_advantages import ESTIMATORS
-
-# --------------------------------------------------------------------------- the model
-
-
-def read_shape(path: str, *, trust_remote_code: bool = False, key: str = "model.path") -> P.Shape:
-    """The model's shape from its config.json alone (``tiny:SIZE`` builds the tiny model first; a hub id
-    whose hub is unreachable reads the cached file, as the loading does, without its retries)."""
-    from transformers import AutoConfig
-
-    folder = resolve_model_path(path)
-    try:
-        local_only = check_model_source(folder, key)
-        config = from_pretrained_checked(AutoConfig, folder, key, local_only=local_only, trust_remote_code=trust_remote_code)
-    except ValueError as e:  # a model type this transformers does not know
-        raise ConfigError(f"{key}={path}: cannot read the model's config: {str(e).splitlines()[0]}") from None
-    config = getattr(config, "text_config", None) or config
-    return P.Shape.of(config)
-
-
-class Model:
-    """A recipe's model in numbers: shape, precision, parameters (all, trainable) and its options."""
-
-    def __init__(self, m: Any, shape: P.Shape, *, tp: int = 1, dp: int = 1, device: str = "cpu"):
-        """``tp``: the tensor-parallel degree; ``dp``: the ranks FSDP shards over (dp x cp of the mesh);
-        ``device``: its type (``model.compile=auto`` decides by it)."""
-        self.s, self.prec = shape, P.Precision.of(m.dtype)
-        # regional compile turns lean activations off (the compiler picks what to recompute; counted as without)
-        self.compiled = compile_enabled(getattr(m, "compile", "false"), device)
-        self.lean, self.ckpt = m.lean_activations and not self.compiled, m.gradient_checkpointing
-        self.lora = m.lora.r if m.lora.enabled else 0
-        adapter = shape.lora_params(m.lora.r, m.lora.target_modules) if self.lora else 0
-        # tensor parallel splits the layers' projections; FSDP shards what a rank keeps over dp
-        local = shape.params - shape.layers * (shape.attention_linear + shape.mlp_linear) * (1 - 1 / tp)
-        self.local = int(local / dp)
-        """This rank's share of the model's parameters (a frozen copy of it holds as many: the reference)."""
-        self.weights = self.local * self.prec.param + int(adapter / dp) * 4  # peft keeps adapters fp32
-        self.trainable = int(adapter / dp) if self.lora else int(local / dp)
-        self.grad_p = 4 if self.lora else self.prec.param
-        self.tp, self.dp = tp, dp
-        # the largest trainable tensor, of which the gradient norm takes a float64 copy: the embedding (or an
-        # MLP projection), a LoRA factor of the MLP's width (r x I)
-        if self.lora:
-            self.largest = self.lora * max(shape.d, shape.intermediate) // dp
-        else:
-            self.largest = max(shape.embedding, shape.d * shape.intermediate // tp) // dp
-        self.packed_attention = shape.model_type in SUPPORTED and m.attn_implementation == "sdpa"
-        targets = [m.lora.target_modules] if isinstance(m.lora.target_modules, str) else list(m.lora.target_modules)
-        self.lora_head = bool(self.lora) and "lm_head" in targets
-        """LoRA adapts the LM head (peft's lora.Linear in its place)."""
-        self.head_why = head_stage_a(shape.model_type, lora_head=self.lora_head, ranks=tp * dp)
-        """Why this model's LM head keeps its logits (stage a), "" where the fused head applies (stage b)."""
-        # peft's projections send the lean SwiGLU to the module's own forward where it adapts the MLP's
-        self.mlp_adapted = bool(self.lora) and ("all-linear" in targets or bool({"gate_proj", "up_proj", "down_proj"} & set(targets)))
-
-    def states(self, *, grads: bool) -> dict[str, int]:
-        """Weights, AdamW's state and (``grads``) the gradients, this rank's share."""
-        out = {"weights": P.weight_bytes(self.weights, 1), "AdamW state": P.adamw_bytes(self.trainable, self.grad_p)}
-        if grads:
-            out["gradients"] = P.grad_bytes(self.trainable, self.grad_p)
-        return out
-
-    def fused(self, layout_why: str = "") -> bool:
-        """Whether a pass runs the fused LM head (stage b): the model allows it and so does the
-        layout (``layout_why``: why it does not, "" when it does)."""
-        return not (self.head_why or layout_why)
-
-    def head_terms(self, positions: int, *, fused: bool, weighted: bool = False, entropy: bool = False,
-                   entropy_grad: bool = False, temperature: float = 1.0) -> dict[str, int]:
-        """The loss's LM head in a training pass: the logits (stage a) or the fused head's chunks (stage b)."""
-        if fused:
-            return {"LM head (fused)": P.fused_head_bytes(self.s, positions, self.prec, weighted=weighted,
-                                                          head_grad=not self.lora, entropy=entropy,
-                                                          entropy_grad=entropy_grad, temperature=temperature)}
-        return {"logits": P.logits_bytes(positions, self.s.vocab, prec=self.prec, entropy=entropy,
-                                         entropy_grad=entropy_grad, temperature=temperature, adapted=self.lora_head)}
-
-    def train_pass(self, tokens: int, positions: int, *, packed: bool, rope: int, accum: bool,
-                   head: bool = True, fused: bool = False, weighted: bool = False, entropy: bool = False,
-                   entropy_grad: bool = False, temperature: float = 1.0) -> dict[str, int]:
-        """The forward/backward of one micro-batch at the heavier of its two peaks, states included:
-        the start of the loss's backward (saved activations, the bf16 weight copies, the loss's
-        logits or, ``fused``, the fused head's chunks; the gradients only when an earlier
-        micro-batch of the step left them: ``accum``), or the end of the backward (every gradient,
-        and the embedding's being summed). FSDP's gathered layers at both. ``weighted``: the fused
-        head takes its gradients in the forward (SFT); ``entropy``: the entropy is computed beside
-        the log-probs (RL's update logs it), ``entropy_grad``: and differentiated (an entropy bonus)."""
-        s, prec = self.s, self.prec
-        lean = self.lean and not self.mlp_adapted
-        fused = fused and head
-        fsdp = {"FSDP gathered": P.fsdp_gather_bytes(s, prec, self.dp)}
-        logits = self.head_terms(positions, fused=fused, weighted=weighted, entropy=entropy, entropy_grad=entropy_grad,
-                                 temperature=temperature) if head else {}
-        loss = {**self.states(grads=accum),
-                "activations": P.activation_bytes(s, tokens, positions if head else 0, prec, lean=lean,
-                                                  checkpointing=self.ckpt, packed=packed, rope_positions=rope, tp=self.tp,
-                                                  fused=fused),
-                "bf16 weight copies": P.weight_copy_bytes(s, prec, lean=lean, layers=1 if self.ckpt else None, tp=self.tp,
-                                                          head=head and not fused),
-                **logits, **fsdp}
-        end = {**self.states(grads=True), **fsdp,
-               "embedding gradients": 0 if self.lora else P.embedding_grad_bytes(
-                   s, self.grad_p, accumulating=accum, head=head, in_place=fused or prec.mixed or prec.cast,
-                   upcast=fused and prec.cast) // self.dp}
-        return loss if sum(loss.values()) >= sum(end.values()) else end
-
-    def optimizer_step(self) -> dict[str, int]:
-        """The optimizer step: the states and the gradient norm's float64 copy of the largest gradient."""
-        return {**self.states(grads=True), "optimizer step": P.grad_norm_bytes(self.largest)}
-
-    def nograd_pass(self, tokens: int, positions: int, *, fused: bool = False, temperature: float = 1.0) -> int:
-        """A forward without gradients: its transients (the LM head fused or not), FSDP's gathered layers,
-        and under bf16-compute the cast copy of every weight, made at the forward's start
-        (``precision.enable_compute_weights``)."""
-        copies = P.weight_copy_bytes(self.s, self.prec, lean=self.lean, tp=self.tp) if self.prec.cast else 0
-        return P.nograd_forward_bytes(self.s, tokens, positions, self.prec, fused=fused, copies=copies,
-                                      temperature=temperature, adapted=self.lora_head) + \
-            P.fsdp_gather_bytes(self.s, self.prec, self.dp, trainable=False)
-
-    def flops(self, tokens: int, positions: int, pairs: float) -> float:
-        """A forward's FLOPs (``models/flops.ModelFlops``, perf/mfu's count): tokens through the decoder,
-        logits at the kept positions, attention pairs."""
-        f = ModelFlops(self.s.config())
-        return tokens * f.token + positions * f.head + pairs * f.pair
-
-
-FUSED_TYPES = ("qwen2", "qwen3", "llama", "mistral")
-"""The model types whose causal LM ``fused_ce.head_of`` takes (its ``PLAIN_CAUSAL_LMS``; tests/test_plan.py keeps the two in step)."""
-
-
-def head_stage_a(model_type: str, *, lora_head: bool, ranks: int) -> str:
-    """Why a model's LM head runs as the model's own (stage a: its logits kept, ``fused_ce.LogSoftmaxGather``)
-    rather than fused (stage b, ``fused_ce.head_of``), from the config alone; "" where stage b applies. Stage a:
-    another architecture (one that scales or caps its logits), a LoRA adapter on ``lm_head``, and more than one
-    rank (FSDP2's DTensors, whose hooks the fused head would skip; context parallel's ``cp_token_logps`` too)."""
-    if model_type not in FUSED_TYPES:
-        return f"{model_type or 'this architecture'} is not a plain causal LM"
-    if lora_head:
-        return "LoRA adapts lm_head"
-    if ranks > 1:
-        return "FSDP2 over the ranks"
-    return ""
-
-
-def _head_fact(why: str) -> str:
-    """The facts' line on the LM head of the loss's passes."""
-    if not why:
-        return f"LM head: fused (stage b), {P.CHUNK_TOKENS:,} positions at a time: no [tokens x vocabulary] logits"
-    return f"LM head: the model's own (stage a: {why}), its logits kept for the backward"
-
-
-def _ranks(cfg: Any, world: int) -> tuple[int, int, int]:
-    """(dp, cp, tp) of the run's mesh over ``world`` ranks."""
-    par = getattr(cfg, "parallel", None)
-    tp, cp = (par.tp_size, par.cp_size) if par is not None else (1, 1)
-    return max(1, world // (tp * cp)), cp, tp
-
-
-def _type(device: Device) -> str:
-    """The torch device type a plan's device is: cpu, or cuda (a local or a named GPU)."""
-    return "cpu" if device.key == "cpu" else "cuda"
-
-
-def _seconds(flops: float, device: Device) -> float | None:
-    return flops / (device.tflops * 1e12) if device.tflops else None
-
-
-def token_budget(setting: int | None, model: Model, device: Device, *, cpu: int, held: int = 0) -> int:
-    """``max_tokens_per_micro`` as the run will take it (``models/budget.device_tokens``): the setting
-    when given; null: ``cpu`` on a CPU, on a GPU ``budget.CUDA_TOKENS`` or what 60% of the memory free
-    once the weights are in (the device's available less ``held`` bytes), less the optimizer state to
-    come, holds at ``budget.bytes_per_token``, in steps of 1,024 and at least ``budget.MIN_TOKENS``."""
-    if setting is not None:
-        return setting
-    if _type(device) == "cpu":
-        return cpu
-    from types import SimpleNamespace
-
-    per = budget.bytes_per_token(SimpleNamespace(config=model.s.config()), checkpointing=model.ckpt)
-    fit = int(0.6 * max(device.available - held - 12 * model.trainable, 0) / per)
-    return max(budget.MIN_TOKENS, min(budget.CUDA_TOKENS, fit // 1024 * 1024))
-
-
-def _causal(n: int) -> float:
-    return n * (n + 1) / 2
-
-
-def _facts(cfg: Any, model: Model, world: int) -> list[str]:
-    m, s = cfg.model, model.s
-    dp, cp, tp = _ranks(cfg, world)
-    opts = [m.dtype, "lean activations" if model.lean else "no lean activations"]
-    if model.compiled:
-        opts.append("compiled layers (counted as without lean activations)")
-    if m.gradient_checkpointing:
-        opts.append("gradient checkpointing")
-    if m.lora.enabled:
-        opts.append(f"LoRA r {m.lora.r}")
-    mesh = f", {world} ranks (dp {dp}, cp {cp}, tp {tp})" if world > 1 else ", 1 rank"
-    return [f"model {m.path}: {s.model_type or 'decoder'}, {plan_table.count(s.params)} parameters "
-            f"(d {s.d}, {s.layers} layers, {s.heads}/{s.kv_heads} heads, I {s.intermediate}, V {s.vocab:,}); "
-            + ", ".join(opts) + mesh]
-
 
 # --------------------------------------------------------------------------- sft, rm
 
@@ -249,8 +47,8 @@ def plan_sft(cfg: Any, shape: P.Shape, device: Device, world: int = 1, *, pairs:
     tokens (packed: one row; else padded), every position after each row's first scored; the
     held-out loss in padded batches of ``eval_batch_size`` rows. The reward model (``rm``) is the
     same with ``pairs`` (two rows each, padded) and a scalar head instead of the logits."""
-    dp, cp, tp = _ranks(cfg, world)
-    model = Model(cfg.model, shape, tp=tp, dp=dp * cp, device=_type(device))
+    dp, cp, tp = mesh_ranks(cfg, world)
+    model = Model(cfg.model, shape, tp=tp, dp=dp * cp, device=device_type(device))
     Lmax = cfg.data.max_length
     lm, per_row, packing = not pairs, 2 if pairs else 1, not pairs and cfg.packing  # the rm config has no packing
     # packed SFT cuts a rank's rows into balanced passes of at most max_tokens_per_micro tokens when it has a budget
@@ -269,12 +67,12 @@ def plan_sft(cfg: Any, shape: P.Shape, device: Device, world: int = 1, *, pairs:
     accum = passes > 1
     rope = tokens if packing else Lmax
     per_step = cfg.batch_size * per_row // dp
-    step_flops = 3 * model.flops(per_step * Lmax, per_step * (Lmax - 1) if lm else 0, per_step * _causal(Lmax))
+    step_flops = 3 * model.flops(per_step * Lmax, per_step * (Lmax - 1) if lm else 0, per_step * causal_pairs(Lmax))
     # the loss is a fixed weighted sum of log-probs: the fused head takes its gradients in the forward (sft._loss)
     fused = lm and model.fused()
     train = P.Stage("train", model.train_pass(tokens, positions, packed=packed, rope=rope, accum=accum, head=lm,
                                               fused=fused, weighted=True),
-                    key="max_tokens_per_micro" if max_tokens else "micro_batch_size", seconds=_seconds(step_flops, device))
+                    key="max_tokens_per_micro" if max_tokens else "micro_batch_size", seconds=step_seconds(step_flops, device))
     stages = [train, P.Stage("optimizer", model.optimizer_step(), key="optim")]
     if _eval_rows(cfg):
         ev = cfg.eval_batch_size * per_row
@@ -283,10 +81,10 @@ def plan_sft(cfg: Any, shape: P.Shape, device: Device, world: int = 1, *, pairs:
                                                                               fused=fused)},
                               key="eval_batch_size"))
     budget_text = f"; budget {max_tokens:,}{' by device' if cfg.max_tokens_per_micro is None else ''}" if max_tokens else ""
-    facts = _facts(cfg, model, world) + [
+    facts = model_facts(cfg, model, world) + [
         f"largest micro-batch: {rows} rows x {Lmax} tokens = {tokens:,} tokens "
         f"({'packed' if packing else 'padded'}{budget_text}), logits at {positions:,} positions"
-        + (f"; {passes} micro-batches per step" if accum else "")] + ([_head_fact(model.head_why)] if lm else [])
+        + (f"; {passes} micro-batches per step" if accum else "")] + ([head_fact(model.head_why)] if lm else [])
     return P.Plan("rm" if pairs else "sft", device, stages, facts)
 
 
@@ -308,8 +106,8 @@ def plan_dpo(cfg: Any, shape: P.Shape, device: Device, world: int = 1) -> P.Plan
     runs the prompt once (a pair is then at most ``2 data.max_length`` tokens, its responses scored).
     The reference log-probs are precomputed before the first step (``reference=precompute``) in
     batches of ``eval_batch_size`` pairs, or a frozen copy scores every micro-batch (``online``)."""
-    dp, cp, tp = _ranks(cfg, world)
-    model = Model(cfg.model, shape, tp=tp, dp=dp * cp, device=_type(device))
+    dp, cp, tp = mesh_ranks(cfg, world)
+    model = Model(cfg.model, shape, tp=tp, dp=dp * cp, device=device_type(device))
     Lmax, kto = cfg.data.max_length, cfg.loss == "kto"
     per_pair = Lmax if kto else 2 * Lmax  # the worst case: prompt of 1 token, both responses of Lmax - 1
     share = cfg.share_prompt and not kto
@@ -337,7 +135,7 @@ def plan_dpo(cfg: Any, shape: P.Shape, device: Device, world: int = 1) -> P.Plan
     # the precompute scores with the starting policy, or with a second model beside it (ref_model)
     precompute = {"reference": P.weight_bytes(model.local, model.prec.param)} if cfg.ref_model else {}
     per_step = cfg.batch_size // dp
-    step_flops = 3 * model.flops(per_step * per_pair, per_step * per_pair, per_step * 2 * _causal(Lmax))
+    step_flops = 3 * model.flops(per_step * per_pair, per_step * per_pair, per_step * 2 * causal_pairs(Lmax))
     stages = []
     if ref and cfg.reference == "precompute":
         ev = cfg.eval_batch_size
@@ -347,7 +145,7 @@ def plan_dpo(cfg: Any, shape: P.Shape, device: Device, world: int = 1) -> P.Plan
                               key="eval_batch_size"))
     stages.append(P.Stage("train", {**model.train_pass(tokens, positions, packed=packed, rope=tokens if packed else Lmax,
                                                        accum=accum, fused=fused), **online},
-                          key="max_tokens_per_micro" if max_tokens else "micro_batch_size", seconds=_seconds(step_flops, device)))
+                          key="max_tokens_per_micro" if max_tokens else "micro_batch_size", seconds=step_seconds(step_flops, device)))
     stages.append(P.Stage("optimizer", {**model.optimizer_step(), **online}, key="optim"))
     if _eval_rows(cfg):
         ev = cfg.eval_batch_size
@@ -355,11 +153,11 @@ def plan_dpo(cfg: Any, shape: P.Shape, device: Device, world: int = 1) -> P.Plan
                                        "forward (no grad)": model.nograd_pass(ev * per_pair, ev * per_pair, fused=fused)},
                               key="eval_batch_size"))
     budget_text = f"; budget {max_tokens:,}{' by device' if cfg.max_tokens_per_micro is None else ''}" if max_tokens else ""
-    facts = _facts(cfg, model, world) + [
+    facts = model_facts(cfg, model, world) + [
         f"largest micro-batch: {pairs} {'examples' if kto else 'pairs'} of up to {per_pair:,} tokens = {tokens:,} tokens "
         f"({'packed' if packed else 'padded'}{budget_text}), logits at {positions:,} positions"
         + (f"; {passes} micro-batches per step" if accum else ""),
-        _head_fact(model.head_why or layout_why)]
+        head_fact(model.head_why or layout_why)]
     return P.Plan("dpo", device, stages, facts)
 
 
@@ -467,7 +265,7 @@ def _critic_stages(model: Model, held: dict[str, int], mini: "Micro", lay: _RLLa
     grads = {"critic gradients": P.grad_bytes(c_params, prec.param)}
     return [P.Stage("critic update", {**held, **grads, **{f"critic {k}": v for k, v in crit.items() if v}},
                     key="max_tokens_per_micro",
-                    seconds=_seconds(3 * updates * model.flops(mini.tokens * mini.passes, 0, 0), device)),
+                    seconds=step_seconds(3 * updates * model.flops(mini.tokens * mini.passes, 0, 0), device)),
             # the critic's own clip_gradients, after its backward: a float64 copy of its largest gradient (the embedding's)
             P.Stage("critic optimizer", {**held, **grads, "optimizer step": P.grad_norm_bytes(s.embedding // model.dp)},
                     key="optim")]
@@ -480,8 +278,8 @@ def plan_rl(cfg: Any, shape: P.Shape, device: Device, world: int = 1) -> P.Plan:
     a prompt runs once); every prompt at ``task.max_prompt_length`` and every response at its
     budget."""
     ro, a, m = cfg.rollout, cfg.algorithm, cfg.model
-    dp, cp, tp = _ranks(cfg, world)
-    model = Model(m, shape, tp=tp, dp=dp * cp, device=_type(device))
+    dp, cp, tp = mesh_ranks(cfg, world)
+    model = Model(m, shape, tp=tp, dp=dp * cp, device=device_type(device))
     lay = _rl_layout(cfg, model)
     fused = model.fused(lay.why)
     kl = a.kl != "none"
@@ -504,14 +302,14 @@ def plan_rl(cfg: Any, shape: P.Shape, device: Device, world: int = 1) -> P.Plan:
     # ---- the passes without gradients, then the update's
     nograd = {**keep, **asleep, "forward (no grad)": model.nograd_pass(whole.tokens, whole.seqs * lay.R, fused=fused,
                                                                         temperature=ro.temperature)}
-    pass_s = _seconds(model.flops(whole.tokens * whole.passes, whole.seqs * whole.passes * lay.R, 0), device)
+    pass_s = step_seconds(model.flops(whole.tokens * whole.passes, whole.seqs * whole.passes * lay.R, 0), device)
     stages = [rollout] + [P.Stage(name, dict(nograd), key="max_tokens_per_micro", seconds=pass_s)
                for name, runs in (("reference", kl), ("old_logps", reuse)) if runs]
     if estimator_values:
         stages.append(P.Stage("values", {**keep, **asleep,
                                          "forward (no grad)": P.nograd_forward_bytes(shape, whole.tokens, 0, model.prec)},
                               key="max_tokens_per_micro",
-                              seconds=_seconds(model.flops(whole.tokens * whole.passes, 0, 0), device)))
+                              seconds=step_seconds(model.flops(whole.tokens * whole.passes, 0, 0), device)))
     updates = a.ppo_epochs * a.mini_batches
     upd_flops = 3 * updates * model.flops(mini.tokens * mini.passes, positions * mini.passes, 0)
     stages.append(P.Stage("update", {**model.train_pass(mini.tokens // cp, positions, packed=lay.pack,
@@ -520,18 +318,18 @@ def plan_rl(cfg: Any, shape: P.Shape, device: Device, world: int = 1) -> P.Plan:
                                                         entropy_grad=a.entropy_coef > 0, temperature=ro.temperature),
                                      **ref, **critic, **asleep},
                           key="max_tokens_per_micro" if not cfg.micro_batch_size else "micro_batch_size",
-                          seconds=_seconds(upd_flops, device)))
+                          seconds=step_seconds(upd_flops, device)))
     if estimator_values:
         stages += _critic_stages(model, {**keep, **asleep}, mini, lay, cp=cp, updates=updates, device=device)
     stages.append(P.Stage("optimizer", {**model.optimizer_step(), **ref, **critic, **asleep}, key="optim"))
     budget_text = f"{max_tokens:,}" if max_tokens else "none"
-    facts = _facts(cfg, model, world) + [
+    facts = model_facts(cfg, model, world) + [
         f"rollout: {cfg.prompts_per_step} prompts x {lay.n} samples, {rows} rows per engine call "
         f"({ro.engine}), prompts up to {lay.Pl} tokens, responses up to {lay.R}",
         f"largest update micro-batch: {mini.tokens:,} tokens ({mini.seqs} sequences, {lay.name}; budget "
         f"{budget_text}{' by device' if cfg.max_tokens_per_micro is None else ''}), logits at {positions:,} positions; "
         f"{mini.passes} pass{'es' if mini.passes > 1 else ''} per update, {updates} update{'s' if updates > 1 else ''} per step",
-        _head_fact(model.head_why or lay.why)]
+        head_fact(model.head_why or lay.why)]
     return P.Plan("rl", device, stages, facts)
 
 
@@ -564,19 +362,19 @@ PLANNERS: dict[str, Callable[..., P.Plan]] = {"sft": plan_sft, "rm": plan_rm, "d
 """recipe -> its planner. The other recipes (rest, eval, demo, verifier's own stage) are not planned."""
 
 def _per_rank(cfg: Any, world: int) -> int:
-    return max(1, cfg.batch_size // _ranks(cfg, world)[0])
+    return max(1, cfg.batch_size // mesh_ranks(cfg, world)[0])
 
 
 def _rl_tokens(cfg: Any, world: int) -> int:
     """The most tokens one rank's micro-batch can hold: its share of a mini-batch, every sequence at its budget."""
     ro = cfg.rollout
     seq = cfg.task.max_prompt_length + (ro.max_response_tokens or ro.max_new_tokens * max(1, ro.max_turns))
-    return max(1, cfg.prompts_per_step * ro.n // cfg.algorithm.mini_batches // _ranks(cfg, world)[0]) * seq
+    return max(1, cfg.prompts_per_step * ro.n // cfg.algorithm.mini_batches // mesh_ranks(cfg, world)[0]) * seq
 
 
 def _rl_rows(cfg: Any, world: int) -> int:
     """The most sequences one rank's micro-batch can hold: its share of a mini-batch."""
-    return max(1, cfg.prompts_per_step * cfg.rollout.n // cfg.algorithm.mini_batches // _ranks(cfg, world)[0])
+    return max(1, cfg.prompts_per_step * cfg.rollout.n // cfg.algorithm.mini_batches // mesh_ranks(cfg, world)[0])
 
 
 _PASSES = ("reference", "old_logps", "values", "update", "critic update")
